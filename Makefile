@@ -1,0 +1,25 @@
+# Every target runs on the Node that package.json pins (the `node` npm package installs it into
+# node_modules/.bin), not on whatever Node the machine has: only npm and make are needed.
+export PATH := $(CURDIR)/node_modules/.bin:$(PATH)
+
+.PHONY: run test typecheck install clean
+
+## make run: the gateway on DATABASE_URL, or on an embedded Postgres under .data/ when unset
+run: install
+	npm start
+
+## make test: type-check, then the test suite against real Postgres (embedded when DATABASE_URL is unset)
+test: install typecheck
+	npm test
+
+typecheck: install
+	npm run typecheck
+
+install: node_modules/.installed
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund
+	@touch $@
+
+clean:
+	rm -rf node_modules .tap dist

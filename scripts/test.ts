@@ -1,0 +1,75 @@
+// `make test`: one real Postgres for the whole run (DATABASE_URL's server, or an embedded one
+// under .data/ when it is unset), a template database migrated once, then tap. Each test file
+// clones the template into a database of its own (test/helpers/database.ts).
+import { spawn } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { createServer } from 'node:net';
+import path from 'node:path';
+import pg from 'pg';
+import { loadConfig } from '../src/config.ts';
+import { startEmbeddedPostgres } from '../src/db/embedded.ts';
+import { migrate } from '../src/db/migrate.ts';
+import { createPool } from '../src/db/pool.ts';
+import { createLogger } from '../src/logger.ts';
+import { urlForDatabase } from '../test/helpers/database.ts';
+
+const config = loadConfig();
+const logger = createLogger({ logLevel: 'warn' }, process.stderr);
+
+const cluster =
+  config.databaseUrl === undefined
+    ? await startEmbeddedPostgres({
+        directory: path.join(config.dataDir, 'test-postgres'),
+        port: await freePort(),
+        logger,
+        durable: false,
+      })
+    : undefined;
+const adminUrl = config.databaseUrl ?? cluster!.url;
+const template = `gateway_test_template_${randomBytes(4).toString('hex')}`;
+
+let exitCode = 1;
+try {
+  await withClient(adminUrl, (client) => client.query(`create database ${template}`));
+  const pool = createPool(urlForDatabase(adminUrl, template), { max: 2, applicationName: 'gateway-test-setup', logger });
+  await migrate(pool, logger).finally(() => pool.end());
+
+  exitCode = await runTap(process.argv.slice(2), {
+    GATEWAY_TEST_ADMIN_URL: adminUrl,
+    GATEWAY_TEST_TEMPLATE: template,
+  });
+} finally {
+  await withClient(adminUrl, (client) => client.query(`drop database if exists ${template}`)).catch((error) =>
+    logger.warn({ err: error }, 'could not drop the template database'),
+  );
+  await cluster?.stop();
+}
+process.exit(exitCode);
+
+function runTap(args: string[], env: Record<string, string>): Promise<number> {
+  // CI reads tap's plain TAP output (its closing "# { total, pass, fail }" line).
+  const reporter = process.env.CI ? ['--reporter=tap'] : [];
+  const child = spawn('tap', [...reporter, ...args], { stdio: 'inherit', env: { ...process.env, ...env } });
+  return new Promise((resolve) => child.on('exit', (code, signal) => resolve(code ?? (signal ? 1 : 0))));
+}
+
+async function withClient<T>(url: string, run: (client: pg.Client) => Promise<T>): Promise<T> {
+  const client = new pg.Client({ connectionString: url });
+  await client.connect();
+  try {
+    return await run(client);
+  } finally {
+    await client.end();
+  }
+}
+
+function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as { port: number };
+      server.close(() => resolve(port));
+    });
+  });
+}

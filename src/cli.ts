@@ -1,0 +1,176 @@
+#!/usr/bin/env node
+// gateway: the command line (CONTRACT.md section 7). From a checkout: npm run gateway -- <command>.
+import { parseArgs } from 'node:util';
+import * as v from 'valibot';
+import { createKeyCommand, listKeysCommand, revokeKeyCommand } from './cli/keys.ts';
+import { CommandError } from './cli/output.ts';
+import { loadConfig, type Config, ConfigError } from './config.ts';
+import { migrate } from './db/migrate.ts';
+import { createDb, createPool, type Db } from './db/pool.ts';
+import { MissingEncryptionKeyError } from './keys/service.ts';
+import { openDatabase, withLocalSecrets } from './local.ts';
+import { createLogger, type Logger } from './logger.ts';
+import { startGateway, type Role } from './main.ts';
+import { stopOnSignals } from './signals.ts';
+
+const USAGE = `Usage: gateway <command>
+
+  migrate                      apply the database schema (safe to run from several processes)
+  serve [--role all|api|worker]
+                               run the API and/or the worker (DATABASE_URL required)
+  start                        migrate and serve everything; with DATABASE_URL unset, on an
+                               embedded Postgres under .data/ (what \`make run\` does)
+  keys create --project <name> [--mode live|test] [--json]
+                               create a key (and its project if needed); prints the key and
+                               its signing secret, once
+  keys list [--project <name>] [--json]
+  keys revoke <key id> [--json]
+
+Settings are environment variables; see README.md.`;
+
+class UsageError extends Error {
+  override name = 'UsageError';
+}
+
+async function main(argv: string[]): Promise<void> {
+  const [command, ...rest] = argv;
+  const config = loadConfig();
+  switch (command) {
+    case 'serve':
+      return serve(config, rest);
+    case 'start':
+      return start(config, rest);
+    case 'migrate':
+      return adminCommand(config, async (_db, { pool, logger }) => {
+        await migrate(pool, logger);
+        return 'The database schema is up to date.';
+      });
+    case 'keys':
+      return keys(config, rest);
+    case undefined:
+    case 'help':
+    case '--help':
+    case '-h':
+      console.log(USAGE);
+      return;
+    default:
+      throw new UsageError(`Unknown command "${command}".`);
+  }
+}
+
+async function serve(config: Config, args: string[]): Promise<void> {
+  const { values } = parse(args, { role: { type: 'string', default: 'all' } });
+  const role = v.parse(v.picklist(['all', 'api', 'worker'], '--role must be all, api or worker'), values.role) as Role;
+  if (config.databaseUrl === undefined) {
+    throw new CommandError('DATABASE_URL is not set. (`make run` starts the gateway on an embedded Postgres instead.)');
+  }
+  const logger = createLogger(config);
+  const gateway = await startGateway({ config, logger, role, databaseUrl: config.databaseUrl });
+  stopOnSignals(gateway.stop, logger);
+}
+
+async function start(baseConfig: Config, args: string[]): Promise<void> {
+  parse(args, {});
+  const logger = createLogger(baseConfig);
+  const database = await openDatabase(baseConfig, logger);
+  try {
+    const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
+    const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger });
+    await migrate(pool, logger).finally(() => pool.end());
+    const gateway = await startGateway({ config, logger, role: 'all', databaseUrl: database.url });
+    logger.info(
+      { url: gateway.url },
+      'ready; create a test key with: npm run gateway -- keys create --project demo --mode test',
+    );
+    stopOnSignals(async () => {
+      await gateway.stop();
+      await database.release();
+    }, logger);
+  } catch (error) {
+    await database.release();
+    throw error;
+  }
+}
+
+async function keys(config: Config, args: string[]): Promise<void> {
+  const [subcommand, ...rest] = args;
+  switch (subcommand) {
+    case 'create': {
+      const { values } = parse(rest, {
+        project: { type: 'string' },
+        mode: { type: 'string', default: 'live' },
+        json: { type: 'boolean', default: false },
+      });
+      if (values.project === undefined) throw new UsageError('keys create needs --project <name>.');
+      const mode = v.parse(v.picklist(['live', 'test'], '--mode must be live or test'), values.mode);
+      return adminCommand(config, (db, { config: effective }) =>
+        createKeyCommand(db, effective.secretEncryptionKey, { project: values.project!, mode, json: values.json! }),
+      );
+    }
+    case 'list': {
+      const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });
+      return adminCommand(config, (db) =>
+        listKeysCommand(db, { ...(values.project ? { project: values.project } : {}), json: values.json! }),
+      );
+    }
+    case 'revoke': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('keys revoke needs exactly one key id.');
+      return adminCommand(config, (db) => revokeKeyCommand(db, positionals[0]!, { json: values.json! }));
+    }
+    default:
+      throw new UsageError('keys takes create, list or revoke.');
+  }
+}
+
+interface AdminContext {
+  pool: ReturnType<typeof createPool>;
+  logger: Logger;
+  config: Config;
+}
+
+/**
+ * Runs one administrative command against the database and prints what it returns. Logs go to
+ * stderr, so that stdout (for --json) carries only the answer. With DATABASE_URL unset, the
+ * embedded Postgres under DATA_DIR is used (started for the command if it is not running).
+ */
+async function adminCommand(config: Config, run: (db: Db, context: AdminContext) => Promise<string>): Promise<void> {
+  const logger = createLogger({ logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel }, process.stderr);
+  const database = await openDatabase(config, logger);
+  const effective = database.embedded ? await withLocalSecrets(config) : config;
+  const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger });
+  try {
+    console.log(await run(createDb(pool), { pool, logger, config: effective }));
+  } finally {
+    await pool.end();
+    await database.release();
+  }
+}
+
+type Options = NonNullable<Parameters<typeof parseArgs>[0]>['options'];
+
+function parse<T extends Options>(args: string[], options: T, allowPositionals = false) {
+  try {
+    return parseArgs({ args, options: options as T & {}, allowPositionals, strict: true });
+  } catch (error) {
+    throw new UsageError((error as Error).message);
+  }
+}
+
+main(process.argv.slice(2)).catch((error: unknown) => {
+  if (error instanceof UsageError) {
+    console.error(`${error.message}\n\n${USAGE}`);
+    process.exit(2);
+  }
+  if (
+    error instanceof CommandError ||
+    error instanceof ConfigError ||
+    error instanceof MissingEncryptionKeyError ||
+    error instanceof v.ValiError
+  ) {
+    console.error(error.message);
+    process.exit(1);
+  }
+  console.error(error);
+  process.exit(1);
+});

@@ -1,0 +1,52 @@
+// gateway keys create | list | revoke
+import type { Db } from '../db/pool.ts';
+import type { KeyMode } from '../ids.ts';
+import { createKey, listKeys, revokeKey } from '../keys/service.ts';
+import { CommandError, table } from './output.ts';
+
+export async function createKeyCommand(
+  db: Db,
+  encryptionKey: Buffer | undefined,
+  options: { project: string; mode: KeyMode; json: boolean },
+): Promise<string> {
+  const created = await createKey(db, encryptionKey, options);
+  if (options.json) {
+    return JSON.stringify({
+      project: created.project,
+      mode: created.mode,
+      api_key: created.api_key,
+      signing_secret: created.signing_secret,
+    });
+  }
+  return [
+    `Created a ${created.mode} key for project "${created.project}" (id ${created.id}).`,
+    '',
+    `  API key:         ${created.api_key}`,
+    `  Signing secret:  ${created.signing_secret}`,
+    '',
+    'Both are shown this once and cannot be recovered: store them now.',
+  ].join('\n');
+}
+
+export async function listKeysCommand(db: Db, options: { project?: string; json: boolean }): Promise<string> {
+  const keys = await listKeys(db, options.project);
+  const rows = keys.map((key) => ({
+    id: key.id,
+    project: key.project,
+    mode: key.mode,
+    key: `svc_${key.mode}_...${key.key_hint}`,
+    created_at: key.created_at,
+    revoked_at: key.revoked_at,
+    status: key.revoked_at ? 'revoked' : 'active',
+  }));
+  if (options.json) return JSON.stringify(rows);
+  if (rows.length === 0) return 'No keys.';
+  return table(rows, ['id', 'project', 'mode', 'key', 'status', 'created_at', 'revoked_at']);
+}
+
+export async function revokeKeyCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
+  const key = await revokeKey(db, id);
+  if (!key) throw new CommandError(`No key with id ${id}.`);
+  if (options.json) return JSON.stringify({ id: key.id, project: key.project, mode: key.mode, revoked_at: key.revoked_at });
+  return `Revoked key ${key.id} (${key.mode}, project "${key.project}") at ${key.revoked_at?.toISOString()}.`;
+}

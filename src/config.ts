@@ -1,0 +1,146 @@
+// The only reader of process.env. Every setting is parsed and checked here, once, and the
+// result is frozen and passed down as a value. A bad setting stops the process at start-up
+// with a message naming every variable at fault.
+import * as v from 'valibot';
+
+const integer = (name: string, fallback: number, min: number, max = Number.MAX_SAFE_INTEGER) =>
+  v.optional(
+    v.pipe(
+      v.string(),
+      v.trim(),
+      v.regex(/^\d+$/, `${name} must be a whole number`),
+      v.transform(Number),
+      v.minValue(min, `${name} must be at least ${min}`),
+      v.maxValue(max, `${name} must be at most ${max}`),
+    ),
+    String(fallback),
+  );
+
+const text = (fallback: string) => v.optional(v.pipe(v.string(), v.trim(), v.minLength(1)), fallback);
+
+const optionalText = v.optional(
+  v.pipe(
+    v.string(),
+    v.trim(),
+    v.transform((value) => (value === '' ? undefined : value)),
+  ),
+);
+
+const Environment = v.object({
+  DATABASE_URL: optionalText,
+  PORT: integer('PORT', 8080, 0, 65535),
+  HOST: text('0.0.0.0'),
+  LOG_LEVEL: v.optional(v.picklist(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']), 'info'),
+
+  WAIT_TIMEOUT_MS: integer('WAIT_TIMEOUT_MS', 30_000, 0, 600_000),
+  MAX_BODY_BYTES: integer('MAX_BODY_BYTES', 4 * 1024 * 1024, 1024),
+  SIGNATURES: v.optional(v.picklist(['required', 'optional']), 'required'),
+  SECRET_ENCRYPTION_KEY: optionalText,
+
+  UPSTREAM_BASE_URL: v.optional(
+    v.pipe(
+      v.string(),
+      v.trim(),
+      v.url('UPSTREAM_BASE_URL must be a URL'),
+      v.transform((url) => url.replace(/\/+$/, '')),
+    ),
+    'https://api.openai.com/v1',
+  ),
+  UPSTREAM_API_KEY: optionalText,
+  UPSTREAM_TIMEOUT_MS: integer('UPSTREAM_TIMEOUT_MS', 120_000, 1),
+
+  MAX_ATTEMPTS: integer('MAX_ATTEMPTS', 5, 1, 100),
+  RETRY_BASE_MS: integer('RETRY_BASE_MS', 1_000, 0),
+  RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0),
+
+  WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 32, 1, 10_000),
+  WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10),
+  DATABASE_POOL_SIZE: integer('DATABASE_POOL_SIZE', 10, 2, 1_000),
+  WORKER_POOL_SIZE: integer('WORKER_POOL_SIZE', 10, 3, 1_000),
+
+  DATA_DIR: text('.data'),
+  EMBEDDED_POSTGRES_PORT: integer('EMBEDDED_POSTGRES_PORT', 54329, 1, 65535),
+});
+
+export interface Config {
+  /** Postgres connection string; undefined means "use the embedded database" where that is allowed. */
+  readonly databaseUrl: string | undefined;
+  readonly port: number;
+  readonly host: string;
+  readonly logLevel: 'fatal' | 'error' | 'warn' | 'info' | 'debug' | 'trace' | 'silent';
+
+  /** How long a wait=true request is held open before it falls back to the acknowledgement. */
+  readonly waitTimeoutMs: number;
+  readonly maxBodyBytes: number;
+  readonly signatures: 'required' | 'optional';
+  /** 32-byte key that encrypts signing secrets at rest; undefined until set. */
+  readonly secretEncryptionKey: Buffer | undefined;
+
+  readonly upstreamBaseUrl: string;
+  readonly upstreamApiKey: string | undefined;
+  readonly upstreamTimeoutMs: number;
+
+  readonly maxAttempts: number;
+  /** Full-jitter exponential backoff: attempt n waits a random time in [0, min(max, base * 2^(n-1))]. */
+  readonly retryBaseMs: number;
+  readonly retryMaxMs: number;
+
+  readonly workerConcurrency: number;
+  readonly workerPollIntervalMs: number;
+  readonly databasePoolSize: number;
+  readonly workerPoolSize: number;
+
+  /** Where the embedded Postgres and other local state live when DATABASE_URL is unset. */
+  readonly dataDir: string;
+  readonly embeddedPostgresPort: number;
+}
+
+export class ConfigError extends Error {
+  override name = 'ConfigError';
+}
+
+export function loadConfig(env: Record<string, string | undefined> = process.env): Config {
+  const parsed = v.safeParse(Environment, env);
+  if (!parsed.success) {
+    const problems = parsed.issues.map((issue) => {
+      const key = issue.path?.map((item) => String(item.key)).join('.') ?? '';
+      return issue.message.startsWith(key) ? issue.message : `${key}: ${issue.message}`;
+    });
+    throw new ConfigError(`Invalid settings:\n  ${problems.join('\n  ')}`);
+  }
+  const e = parsed.output;
+  return Object.freeze({
+    databaseUrl: e.DATABASE_URL,
+    port: e.PORT,
+    host: e.HOST,
+    logLevel: e.LOG_LEVEL,
+    waitTimeoutMs: e.WAIT_TIMEOUT_MS,
+    maxBodyBytes: e.MAX_BODY_BYTES,
+    signatures: e.SIGNATURES,
+    secretEncryptionKey: parseEncryptionKey(e.SECRET_ENCRYPTION_KEY),
+    upstreamBaseUrl: e.UPSTREAM_BASE_URL,
+    upstreamApiKey: e.UPSTREAM_API_KEY,
+    upstreamTimeoutMs: e.UPSTREAM_TIMEOUT_MS,
+    maxAttempts: e.MAX_ATTEMPTS,
+    retryBaseMs: e.RETRY_BASE_MS,
+    retryMaxMs: Math.max(e.RETRY_MAX_MS, e.RETRY_BASE_MS),
+    workerConcurrency: e.WORKER_CONCURRENCY,
+    workerPollIntervalMs: e.WORKER_POLL_INTERVAL_MS,
+    databasePoolSize: e.DATABASE_POOL_SIZE,
+    workerPoolSize: e.WORKER_POOL_SIZE,
+    dataDir: e.DATA_DIR,
+    embeddedPostgresPort: e.EMBEDDED_POSTGRES_PORT,
+  });
+}
+
+function parseEncryptionKey(value: string | undefined): Buffer | undefined {
+  if (value === undefined) return undefined;
+  const key = /^[0-9a-fA-F]{64}$/.test(value) ? Buffer.from(value, 'hex') : Buffer.from(value, 'base64');
+  if (key.length !== 32) {
+    throw new ConfigError(
+      'Invalid settings:\n  SECRET_ENCRYPTION_KEY must be 32 bytes, written as 64 hex digits or in base64 ' +
+        '(for example the output of `openssl rand -base64 32`)',
+    );
+  }
+  return key;
+}

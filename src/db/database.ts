@@ -1,0 +1,74 @@
+// The tables of the "gateway" schema, as kysely sees them (sql/ is the source of truth).
+import type { ColumnType, Generated } from 'kysely';
+import type { KeyMode } from '../ids.ts';
+
+type CreatedAt = ColumnType<Date, Date | undefined, never>;
+type Timestamp = ColumnType<Date, Date | undefined, Date>;
+type NullableTimestamp = ColumnType<Date | null, Date | null | undefined, Date | null>;
+
+export type RequestStatus = 'queued' | 'processing' | 'retrying' | 'completed' | 'failed';
+export const TERMINAL_STATUSES: readonly RequestStatus[] = ['completed', 'failed'];
+
+export interface Database {
+  migrations: MigrationsTable;
+  projects: ProjectsTable;
+  api_keys: ApiKeysTable;
+  requests: RequestsTable;
+  request_attempts: RequestAttemptsTable;
+}
+
+export interface MigrationsTable {
+  id: number;
+  applied_at: CreatedAt;
+}
+
+export interface ProjectsTable {
+  /** int8, which node-postgres returns as a string. */
+  id: Generated<string>;
+  name: string;
+  created_at: CreatedAt;
+}
+
+export interface ApiKeysTable {
+  id: string;
+  project_id: string;
+  mode: KeyMode;
+  key_sha256: Buffer;
+  key_hint: string;
+  signing_secret_ciphertext: Buffer;
+  created_at: CreatedAt;
+  revoked_at: NullableTimestamp;
+}
+
+export interface RequestsTable {
+  id: string;
+  project_id: string;
+  mode: KeyMode;
+  api_key_id: string | null;
+  status: ColumnType<RequestStatus, RequestStatus | undefined, RequestStatus>;
+  attempts: ColumnType<number, number | undefined, number>;
+  last_error_code: string | null;
+  model: string;
+  /** json: written as JSON text, read back parsed by node-postgres. */
+  body: ColumnType<unknown, string, string | null>;
+  body_sha256: Buffer;
+  idempotency_key: string | null;
+  result: ColumnType<unknown, string | undefined, string>;
+  created_at: CreatedAt;
+  updated_at: Timestamp;
+  next_attempt_at: NullableTimestamp;
+  finished_at: NullableTimestamp;
+}
+
+export interface RequestAttemptsTable {
+  request_id: string;
+  attempt_number: number;
+  started_at: CreatedAt;
+  finished_at: NullableTimestamp;
+  outcome: ColumnType<'running' | 'succeeded' | 'failed', 'running' | undefined, 'succeeded' | 'failed'>;
+  upstream_status: number | null;
+  error_code: string | null;
+  error_detail: string | null;
+  duration_ms: number | null;
+  worker_id: string | null;
+}

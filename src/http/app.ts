@@ -1,0 +1,66 @@
+// createApp(deps): the whole HTTP API as a Koa app, built without listening so tests and
+// main.ts wire it the same way. Per route, the chain is:
+//   authenticate (bearer key) -> readBody (size, media type) -> [verify signature] -> handler
+import Router from '@koa/router';
+import Koa from 'koa';
+import type pg from 'pg';
+import type { Config } from '../config.ts';
+import type { Db } from '../db/pool.ts';
+import { methodNotAllowed } from '../errors.ts';
+import type { Logger } from '../logger.ts';
+import type { Waiters } from '../requests/waiters.ts';
+import { authenticate } from './auth.ts';
+import { readBody } from './body.ts';
+import type { GatewayState } from './context.ts';
+import { renderErrors } from './errors.ts';
+import { createCompletion } from './routes/completions.ts';
+import { healthz, readyz } from './routes/health.ts';
+import { getRequest } from './routes/requests.ts';
+
+export interface AppDeps {
+  config: Config;
+  pool: pg.Pool;
+  db: Db;
+  waiters: Waiters;
+  logger: Logger;
+}
+
+export function createApp(deps: AppDeps): Koa<GatewayState> {
+  const app = new Koa<GatewayState>();
+  const router = new Router<GatewayState>();
+  const requestDeps = { db: deps.db, waiters: deps.waiters, config: deps.config };
+
+  router.get('/healthz', healthz);
+  router.get('/readyz', readyz(deps.pool));
+  router.post(
+    '/v1/chat/completions',
+    authenticate(deps.db),
+    readBody(deps.config.maxBodyBytes),
+    createCompletion(requestDeps),
+  );
+  router.get('/v1/requests/:id', authenticate(deps.db), getRequest(requestDeps));
+
+  app.use(accessLog(deps.logger));
+  app.use(renderErrors(deps.logger));
+  app.use(router.routes());
+  app.use(router.allowedMethods({ throw: true, methodNotAllowed, notImplemented: methodNotAllowed }));
+  return app;
+}
+
+/** One line per request: method, route pattern, status and duration; no headers, no bodies. */
+function accessLog(logger: Logger): Koa.Middleware {
+  const log = logger.child({ component: 'http' });
+  return async (ctx, next) => {
+    const started = performance.now();
+    try {
+      await next();
+    } finally {
+      log.info({
+        method: ctx.method,
+        route: (ctx as { _matchedRoute?: string })._matchedRoute ?? null,
+        status: ctx.status,
+        ms: Math.round((performance.now() - started) * 10) / 10,
+      });
+    }
+  };
+}

@@ -1,0 +1,37 @@
+// Reads the raw body of a JSON request (kept as bytes: the signature covers them exactly),
+// enforcing MAX_BODY_BYTES and the media type, then parses it.
+import type { Middleware } from 'koa';
+import getRawBody from 'raw-body';
+import { invalidRequest, requestTooLarge, unsupportedMediaType } from '../errors.ts';
+import type { GatewayState } from './context.ts';
+
+export function readBody(maxBodyBytes: number): Middleware<GatewayState> {
+  return async (ctx, next) => {
+    if (ctx.request.type !== 'application/json') throw unsupportedMediaType();
+    const charset = ctx.request.charset;
+    if (charset && charset.toLowerCase() !== 'utf-8' && charset.toLowerCase() !== 'utf8') throw unsupportedMediaType();
+    const encoding = ctx.get('content-encoding');
+    if (encoding && encoding.toLowerCase() !== 'identity') throw unsupportedMediaType();
+    try {
+      ctx.state.body = await getRawBody(ctx.req, {
+        limit: maxBodyBytes,
+        length: ctx.get('content-length') || null,
+      });
+    } catch (error) {
+      const type = (error as { type?: unknown }).type;
+      if (type === 'entity.too.large') throw requestTooLarge(maxBodyBytes);
+      throw invalidRequest('invalid_body', 'The body could not be read completely.');
+    }
+    await next();
+  };
+}
+
+const utf8 = new TextDecoder('utf-8', { fatal: true });
+
+export function parseJson(body: Buffer): unknown {
+  try {
+    return JSON.parse(utf8.decode(body));
+  } catch {
+    throw invalidRequest('invalid_json', 'The body is not valid JSON (UTF-8).');
+  }
+}

@@ -1,0 +1,31 @@
+// Renders every failure in the contract's error shape. ApiErrors are shown as they are; a lost
+// database becomes a 503 with retry-after; anything else is logged and becomes a bare 500.
+import type { Middleware } from 'koa';
+import { isDatabaseUnavailable, errorSummary } from '../db/pool.ts';
+import { ApiError, internalError, routeNotFound, serviceUnavailable } from '../errors.ts';
+import type { Logger } from '../logger.ts';
+
+export function renderErrors(logger: Logger): Middleware {
+  return async (ctx, next) => {
+    try {
+      await next();
+      if (ctx.status === 404 && ctx.body == null) throw routeNotFound();
+    } catch (caught) {
+      const error = toApiError(caught, logger, ctx.method, ctx.path);
+      ctx.status = error.status;
+      ctx.body = error.toBody();
+      if (error.retryAfter !== undefined) ctx.set('retry-after', String(error.retryAfter));
+    }
+  };
+}
+
+function toApiError(error: unknown, logger: Logger, method: string, path: string): ApiError {
+  if (error instanceof ApiError) return error;
+  if (isDatabaseUnavailable(error)) {
+    logger.warn({ method, path, err: errorSummary(error) }, 'database unavailable');
+    return serviceUnavailable();
+  }
+  // The stack goes to the log; the client learns only that it was our fault.
+  logger.error({ method, path, err: error }, 'unhandled error');
+  return internalError();
+}

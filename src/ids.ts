@@ -1,0 +1,46 @@
+// Identifiers and secrets, all written in base62 ([0-9A-Za-z], in ASCII order so that
+// fixed-width encodings sort like the numbers they encode).
+import { randomBytes } from 'node:crypto';
+
+const ALPHABET = '0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz';
+// The largest multiple of 62 that fits in a byte: bytes at or above it are skipped so every
+// character is equally likely.
+const UNBIASED_LIMIT = 248;
+
+/** `length` characters of base62, each carrying log2(62) ≈ 5.95 random bits. */
+export function randomBase62(length: number): string {
+  let out = '';
+  while (out.length < length) {
+    for (const byte of randomBytes(length + 8)) {
+      if (byte < UNBIASED_LIMIT) out += ALPHABET[byte % 62];
+      if (out.length === length) break;
+    }
+  }
+  return out;
+}
+
+function base62Fixed(value: number, width: number): string {
+  let out = '';
+  for (let rest = value; out.length < width; rest = Math.floor(rest / 62)) out = ALPHABET[rest % 62] + out;
+  return out;
+}
+
+export const REQUEST_ID = /^req_[A-Za-z0-9]{20,40}$/;
+
+/**
+ * `req_` + 8 characters of milliseconds since 1970 (ordered until the year 8888) + 18 random
+ * characters (107 bits), so ids sort by creation time and cannot be guessed.
+ */
+export function newRequestId(now = Date.now()): string {
+  return `req_${base62Fixed(now, 8)}${randomBase62(18)}`;
+}
+
+export type KeyMode = 'live' | 'test';
+
+export const API_KEY = /^svc_(live|test)_[A-Za-z0-9]{32,}$/;
+export const SIGNING_SECRET = /^svc_sig_[A-Za-z0-9]{32,}$/;
+export const KEY_ID = /^key_[A-Za-z0-9]{20,40}$/;
+
+export const newApiKey = (mode: KeyMode) => `svc_${mode}_${randomBase62(40)}`;
+export const newSigningSecret = () => `svc_sig_${randomBase62(40)}`;
+export const newKeyId = () => `key_${randomBase62(20)}`;

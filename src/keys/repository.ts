@@ -1,0 +1,88 @@
+// SQL for projects and API keys.
+import { sql } from 'kysely';
+import type { Db } from '../db/pool.ts';
+import type { KeyMode } from '../ids.ts';
+
+export interface KeyRecord {
+  id: string;
+  project_id: string;
+  mode: KeyMode;
+  signing_secret_ciphertext: Buffer;
+  revoked_at: Date | null;
+}
+
+export interface KeyListing {
+  id: string;
+  project: string;
+  mode: KeyMode;
+  key_hint: string;
+  created_at: Date;
+  revoked_at: Date | null;
+}
+
+/** The project's id, creating the project if it does not exist yet. */
+export async function ensureProject(db: Db, name: string): Promise<string> {
+  const row = await db
+    .insertInto('projects')
+    .values({ name })
+    .onConflict((conflict) => conflict.column('name').doUpdateSet((eb) => ({ name: eb.ref('excluded.name') })))
+    .returning('id')
+    .executeTakeFirstOrThrow();
+  return row.id;
+}
+
+export async function insertApiKey(
+  db: Db,
+  key: { id: string; project_id: string; mode: KeyMode; key_sha256: Buffer; key_hint: string; signing_secret_ciphertext: Buffer },
+): Promise<void> {
+  await db.insertInto('api_keys').values(key).execute();
+}
+
+export async function findKeyByHash(db: Db, keySha256: Buffer): Promise<KeyRecord | undefined> {
+  return db
+    .selectFrom('api_keys')
+    .select(['id', 'project_id', 'mode', 'signing_secret_ciphertext', 'revoked_at'])
+    .where('key_sha256', '=', keySha256)
+    .executeTakeFirst();
+}
+
+export async function listKeys(db: Db, projectName?: string): Promise<KeyListing[]> {
+  let query = db
+    .selectFrom('api_keys')
+    .innerJoin('projects', 'projects.id', 'api_keys.project_id')
+    .select([
+      'api_keys.id',
+      'projects.name as project',
+      'api_keys.mode',
+      'api_keys.key_hint',
+      'api_keys.created_at',
+      'api_keys.revoked_at',
+    ])
+    .orderBy('projects.name')
+    .orderBy('api_keys.created_at');
+  if (projectName !== undefined) query = query.where('projects.name', '=', projectName);
+  return query.execute();
+}
+
+/** Revokes the key; returns it, or undefined when there is no key with that id. */
+export async function revokeKey(db: Db, id: string): Promise<KeyListing | undefined> {
+  return db
+    .with('revoked', (qb) =>
+      qb
+        .updateTable('api_keys')
+        .set({ revoked_at: sql<Date>`coalesce(revoked_at, now())` })
+        .where('id', '=', id)
+        .returning(['id', 'project_id', 'mode', 'key_hint', 'created_at', 'revoked_at']),
+    )
+    .selectFrom('revoked')
+    .innerJoin('projects', 'projects.id', 'revoked.project_id')
+    .select([
+      'revoked.id',
+      'projects.name as project',
+      'revoked.mode',
+      'revoked.key_hint',
+      'revoked.created_at',
+      'revoked.revoked_at',
+    ])
+    .executeTakeFirst();
+}

@@ -1,0 +1,96 @@
+// API keys: creation (the key and its signing secret are shown once, then only kept hashed
+// and encrypted), listing, revocation, and authenticating a request's bearer key.
+import * as v from 'valibot';
+import type { Db } from '../db/pool.ts';
+import { authenticationError } from '../errors.ts';
+import { API_KEY, type KeyMode, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
+import * as repository from './repository.ts';
+import { encryptSecret, hashApiKey } from './secrets.ts';
+
+export type { KeyListing } from './repository.ts';
+
+/** Who is calling: established from the bearer key before anything else is looked at. */
+export interface Auth {
+  keyId: string;
+  projectId: string;
+  mode: KeyMode;
+  signingSecretCiphertext: Buffer;
+}
+
+export interface CreatedKey {
+  id: string;
+  project: string;
+  mode: KeyMode;
+  api_key: string;
+  signing_secret: string;
+}
+
+export const ProjectName = v.pipe(
+  v.string(),
+  v.regex(
+    /^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$/,
+    'A project name is 1 to 100 letters, digits, dots, dashes or underscores, starting with a letter or digit.',
+  ),
+);
+
+export class MissingEncryptionKeyError extends Error {
+  override name = 'MissingEncryptionKeyError';
+  constructor() {
+    super(
+      'SECRET_ENCRYPTION_KEY is not set: signing secrets cannot be stored or verified without it ' +
+        '(generate one with `openssl rand -base64 32`).',
+    );
+  }
+}
+
+export async function createKey(
+  db: Db,
+  encryptionKey: Buffer | undefined,
+  input: { project: string; mode: KeyMode },
+): Promise<CreatedKey> {
+  if (!encryptionKey) throw new MissingEncryptionKeyError();
+  const project = v.parse(ProjectName, input.project);
+  const id = newKeyId();
+  const apiKey = newApiKey(input.mode);
+  const signingSecret = newSigningSecret();
+  await db.transaction().execute(async (tx) => {
+    const projectId = await repository.ensureProject(tx, project);
+    await repository.insertApiKey(tx, {
+      id,
+      project_id: projectId,
+      mode: input.mode,
+      key_sha256: hashApiKey(apiKey),
+      key_hint: apiKey.slice(-4),
+      signing_secret_ciphertext: encryptSecret(signingSecret, id, encryptionKey),
+    });
+  });
+  return { id, project, mode: input.mode, api_key: apiKey, signing_secret: signingSecret };
+}
+
+export const listKeys = (db: Db, project?: string) => repository.listKeys(db, project);
+
+export const revokeKey = (db: Db, id: string) => repository.revokeKey(db, id);
+
+const BEARER = /^Bearer +(\S+) *$/i;
+
+/** The caller behind an Authorization header, or a 401 ApiError. */
+export async function authenticate(db: Db, authorization: string | undefined): Promise<Auth> {
+  if (authorization === undefined || authorization.trim() === '') {
+    throw authenticationError(
+      'missing_api_key',
+      'No API key was sent. Send it in the Authorization header: "Authorization: Bearer <API key>".',
+    );
+  }
+  const token = BEARER.exec(authorization)?.[1];
+  if (token === undefined || !API_KEY.test(token)) throw invalidApiKey();
+  const key = await repository.findKeyByHash(db, hashApiKey(token));
+  if (key === undefined || key.revoked_at !== null) throw invalidApiKey();
+  return {
+    keyId: key.id,
+    projectId: key.project_id,
+    mode: key.mode,
+    signingSecretCiphertext: key.signing_secret_ciphertext,
+  };
+}
+
+const invalidApiKey = () => authenticationError('invalid_api_key', 'The API key is not valid.');

@@ -1,0 +1,128 @@
+// The composition root: builds the API and/or the worker from a config, and shuts them down
+// in order: stop accepting connections, answer every waiting request with its acknowledgement,
+// let running attempts finish, then close the pools.
+import http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import type { Runner } from 'graphile-worker';
+import type pg from 'pg';
+import type { Config } from './config.ts';
+import { schemaVersion } from './db/migrate.ts';
+import { createDb, createPool } from './db/pool.ts';
+import { createApp } from './http/app.ts';
+import type { Logger } from './logger.ts';
+import { Waiters } from './requests/waiters.ts';
+import { startWorker } from './worker/runner.ts';
+
+export type Role = 'all' | 'api' | 'worker';
+
+export interface GatewayOptions {
+  config: Config;
+  logger: Logger;
+  role: Role;
+  databaseUrl: string;
+}
+
+export interface Gateway {
+  /** Base URL of the API when the role serves it, e.g. http://127.0.0.1:8080 */
+  url: string | undefined;
+  waiters: Waiters | undefined;
+  stop(): Promise<void>;
+}
+
+export async function startGateway(options: GatewayOptions): Promise<Gateway> {
+  const { config, logger, role, databaseUrl } = options;
+  let apiPool: pg.Pool | undefined;
+  let workerPool: pg.Pool | undefined;
+  let waiters: Waiters | undefined;
+  let server: http.Server | undefined;
+  let runner: Runner | undefined;
+
+  const stop = async () => {
+    if (server) {
+      const closed = closeServer(server);
+      // Waiting wait=true requests are answered now with their acknowledgement, rather than
+      // holding the shutdown for up to WAIT_TIMEOUT_MS.
+      await waiters?.close();
+      await closed;
+    }
+    await waiters?.close();
+    await runner?.stop();
+    await workerPool?.end();
+    await apiPool?.end();
+  };
+
+  try {
+    if (role !== 'worker') {
+      apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
+      await assertSchemaCurrent(apiPool);
+      waiters = new Waiters(databaseUrl, logger);
+      await waiters.start();
+      const app = createApp({ config, pool: apiPool, db: createDb(apiPool), waiters, logger });
+      server = await listen(app.callback(), config);
+    }
+    if (role !== 'api') {
+      workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
+      if (role === 'worker') await assertSchemaCurrent(workerPool);
+      const local = waiters;
+      runner = await startWorker({
+        config,
+        pool: workerPool,
+        db: createDb(workerPool),
+        logger,
+        // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
+        ...(local ? { onFinished: (id: string) => local.wake([id]) } : {}),
+      });
+    }
+  } catch (error) {
+    await stop().catch(() => {});
+    throw error;
+  }
+
+  const address = server?.address() as AddressInfo | undefined;
+  const url = address ? `http://${hostForUrl(address)}:${address.port}` : undefined;
+  logger.info({ role, url }, 'gateway started');
+  return { url, waiters, stop };
+}
+
+async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
+  const { applied, expected } = await schemaVersion(pool);
+  if (applied !== expected) {
+    throw new Error(
+      `The database schema is at migration ${applied}, this gateway needs ${expected}: run \`gateway migrate\` first.`,
+    );
+  }
+}
+
+function listen(handler: http.RequestListener, config: Config): Promise<http.Server> {
+  const server = http.createServer(
+    {
+      // Hostile or broken clients may not hold a socket open without sending a request.
+      headersTimeout: 10_000,
+      requestTimeout: 30_000,
+      keepAliveTimeout: 5_000,
+      maxHeaderSize: 16 * 1024,
+    },
+    handler,
+  );
+  server.maxHeadersCount = 100;
+  return new Promise((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(config.port, config.host, () => {
+      server.off('error', reject);
+      resolve(server);
+    });
+  });
+}
+
+/** Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are answered. */
+function closeServer(server: http.Server): Promise<void> {
+  return new Promise((resolve) => {
+    server.close(() => resolve());
+    server.closeIdleConnections();
+  });
+}
+
+function hostForUrl(address: AddressInfo): string {
+  if (address.address === '0.0.0.0' || address.address === '::') return '127.0.0.1';
+  return address.family === 'IPv6' ? `[${address.address}]` : address.address;
+}

@@ -1,0 +1,27 @@
+// SIGINT/SIGTERM start an orderly shutdown and exit 0 when it is done; a second signal exits
+// at once.
+import type { Logger } from './logger.ts';
+
+export function stopOnSignals(stop: () => Promise<void>, logger: Logger): void {
+  let stopping = false;
+  const onSignal = (signal: NodeJS.Signals) => {
+    if (stopping) {
+      logger.warn({ signal }, 'second signal: exiting without finishing the shutdown');
+      process.exit(1);
+    }
+    stopping = true;
+    logger.info({ signal }, 'shutting down');
+    stop().then(
+      () => {
+        logger.info('shut down cleanly');
+        process.exit(0);
+      },
+      (error: unknown) => {
+        logger.error({ err: error }, 'shutdown failed');
+        process.exit(1);
+      },
+    );
+  };
+  process.on('SIGINT', onSignal);
+  process.on('SIGTERM', onSignal);
+}

@@ -1,0 +1,70 @@
+// How an attempt ends (CONTRACT.md section 1): a chat completion, or one of these codes.
+
+export const ATTEMPT_ERRORS = {
+  upstream_timeout: { retryable: true },
+  upstream_connection_error: { retryable: true },
+  upstream_rate_limited: { retryable: true },
+  upstream_server_error: { retryable: true },
+  upstream_invalid_response: { retryable: true },
+  worker_lost: { retryable: true },
+  upstream_bad_request: { retryable: false },
+  upstream_auth_error: { retryable: false },
+} as const;
+
+export type AttemptErrorCode = keyof typeof ATTEMPT_ERRORS;
+
+export type AttemptOutcome =
+  | { ok: true; result: string; upstreamStatus: number }
+  | {
+      ok: false;
+      code: AttemptErrorCode;
+      /** Our own words for operators; never text taken from the upstream's answer. */
+      detail: string;
+      upstreamStatus: number | null;
+      /** The upstream's retry-after, in milliseconds, when it sent one. */
+      retryAfterMs?: number;
+    };
+
+/** The error code for a non-2xx upstream HTTP status. */
+export function codeForStatus(status: number): AttemptErrorCode {
+  if (status === 429) return 'upstream_rate_limited';
+  if (status === 401 || status === 403) return 'upstream_auth_error';
+  if (status === 408 || status === 409 || status >= 500) return 'upstream_server_error';
+  if (status >= 400) return 'upstream_bad_request';
+  return 'upstream_invalid_response';
+}
+
+export function failedWithStatus(status: number, retryAfterMs?: number): AttemptOutcome {
+  return {
+    ok: false,
+    code: codeForStatus(status),
+    detail: `upstream answered HTTP ${status}`,
+    upstreamStatus: status,
+    ...(retryAfterMs === undefined ? {} : { retryAfterMs }),
+  };
+}
+
+/** A 2xx body must be a JSON chat completion object to count as a result. */
+export function checkCompletion(text: string, status: number): AttemptOutcome {
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch {
+    return invalid(status, 'the 2xx body is not JSON');
+  }
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) {
+    return invalid(status, 'the 2xx body is not a JSON object');
+  }
+  const completion = value as Record<string, unknown>;
+  if (completion.object !== 'chat.completion') return invalid(status, 'the 2xx body is not a chat.completion object');
+  if (typeof completion.id !== 'string') return invalid(status, 'the chat completion has no string id');
+  if (!Array.isArray(completion.choices)) return invalid(status, 'the chat completion has no choices array');
+  return { ok: true, result: text, upstreamStatus: status };
+}
+
+const invalid = (status: number, detail: string): AttemptOutcome => ({
+  ok: false,
+  code: 'upstream_invalid_response',
+  detail,
+  upstreamStatus: status,
+});

@@ -1,0 +1,125 @@
+// The graphile-worker task that runs one attempt of a request:
+//   claim it (queued|retrying -> processing, one attempt row more), call the upstream or the
+//   simulator with no database connection held, then record the outcome in one statement:
+//   completed, failed, or retrying with the next attempt's job added in the same statement.
+// A job whose attempt was already started is one whose worker died mid-attempt (its lock was
+// released by the dead-worker sweep): that attempt is recorded as worker_lost and retried.
+import type { JobHelpers, Task } from 'graphile-worker';
+import * as v from 'valibot';
+import type { Config } from '../config.ts';
+import { errorSummary, type Db } from '../db/pool.ts';
+import type { Logger } from '../logger.ts';
+import { ProcessRequestPayload } from '../requests/jobs.ts';
+import * as repository from '../requests/repository.ts';
+import type { AttemptFailure } from '../requests/repository.ts';
+import { callOpenAiCompatible } from '../upstream/openai.ts';
+import { ATTEMPT_ERRORS, type AttemptOutcome } from '../upstream/outcome.ts';
+import { simulate } from '../upstream/simulator.ts';
+import { retryDelay } from './backoff.ts';
+
+export interface ProcessRequestDeps {
+  db: Db;
+  config: Pick<
+    Config,
+    'upstreamBaseUrl' | 'upstreamApiKey' | 'upstreamTimeoutMs' | 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs'
+  >;
+  logger: Logger;
+  /** Called after a request reached completed or failed, to wake waiters in this process. */
+  onFinished?: (id: string) => void;
+}
+
+export function processRequestTask(deps: ProcessRequestDeps): Task {
+  const log = deps.logger.child({ component: 'worker' });
+
+  return async (rawPayload, helpers) => {
+    const parsed = v.safeParse(ProcessRequestPayload, rawPayload);
+    if (!parsed.success) {
+      // Retrying cannot fix a payload that names no request; drop the job, loudly.
+      log.error({ jobId: helpers.job.id }, 'process_request job with an invalid payload dropped');
+      return;
+    }
+    const { request_id: id, attempt } = parsed.output;
+    const workerId = helpers.job.locked_by;
+
+    const claimed = await repository.claimAttempt(deps.db, id, attempt, workerId);
+    if (!claimed) {
+      await recoverLostAttempt(id, attempt);
+      return;
+    }
+
+    const started = performance.now();
+    const outcome = await callUpstream(claimed, helpers);
+    const durationMs = Math.round(performance.now() - started);
+    await record(id, attempt, outcome, durationMs);
+  };
+
+  async function callUpstream(claimed: repository.ClaimedAttempt, helpers: JobHelpers): Promise<AttemptOutcome> {
+    const signal = AbortSignal.any([AbortSignal.timeout(deps.config.upstreamTimeoutMs), helpers.abortSignal]);
+    const call = { body: claimed.body, signal };
+    try {
+      return claimed.mode === 'test'
+        ? await simulate({ ...call, attempt: claimed.attempt })
+        : await callOpenAiCompatible({ baseUrl: deps.config.upstreamBaseUrl, apiKey: deps.config.upstreamApiKey }, call);
+    } catch (error) {
+      // The callers classify every failure they know; anything else is a bug on our side,
+      // recorded as an invalid response so the request still ends (after its retries).
+      log.error({ requestId: claimed.id, err: errorSummary(error) }, 'upstream call failed unexpectedly');
+      return { ok: false, code: 'upstream_invalid_response', detail: 'the answer could not be processed', upstreamStatus: null };
+    }
+  }
+
+  async function record(id: string, attempt: number, outcome: AttemptOutcome, durationMs: number): Promise<void> {
+    if (outcome.ok) {
+      const done = await repository.completeAttempt(deps.db, id, attempt, outcome.result, {
+        upstreamStatus: outcome.upstreamStatus,
+        durationMs,
+      });
+      if (done) finished(id);
+      log.debug({ requestId: id, attempt, durationMs, stale: !done }, 'attempt succeeded');
+      return;
+    }
+    const failure: AttemptFailure = {
+      code: outcome.code,
+      detail: outcome.detail,
+      upstreamStatus: outcome.upstreamStatus,
+      durationMs,
+    };
+    await fail(id, attempt, failure, outcome.retryAfterMs);
+  }
+
+  async function fail(id: string, attempt: number, failure: AttemptFailure, retryAfterMs?: number): Promise<void> {
+    const retryable = ATTEMPT_ERRORS[failure.code as keyof typeof ATTEMPT_ERRORS]?.retryable ?? false;
+    if (retryable && attempt < deps.config.maxAttempts) {
+      const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, attempt, retryAfterMs);
+      const scheduled = await repository.retryAttempt(deps.db, id, attempt, failure, delayMs);
+      log.info({ requestId: id, attempt, code: failure.code, delayMs, stale: !scheduled }, 'attempt failed; retry scheduled');
+    } else {
+      const failed = await repository.failAttempt(deps.db, id, attempt, failure);
+      if (failed) finished(id);
+      log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
+    }
+  }
+
+  async function recoverLostAttempt(id: string, attempt: number): Promise<void> {
+    const progress = await repository.findProgress(deps.db, id);
+    // Terminal, already past this attempt, or gone: this job has nothing left to do.
+    if (progress?.status !== 'processing' || progress.attempts !== attempt) return;
+    log.warn({ requestId: id, attempt }, 'attempt lost with its worker; recording it and retrying');
+    await fail(id, attempt, {
+      code: 'worker_lost',
+      detail: 'the worker running this attempt stopped before recording its outcome',
+      upstreamStatus: null,
+      durationMs: null,
+    });
+  }
+
+  function finished(id: string): void {
+    try {
+      deps.onFinished?.(id);
+    } catch (error) {
+      // The outcome is committed; a failure to wake local waiters must not fail the job (they
+      // also hear the NOTIFY).
+      log.warn({ requestId: id, err: errorSummary(error) }, 'waking local waiters failed');
+    }
+  }
+}

@@ -1,0 +1,35 @@
+// The worker role: a graphile-worker pool running process_request jobs.
+import { run, type Runner } from 'graphile-worker';
+import type pg from 'pg';
+import type { Config } from '../config.ts';
+import type { Db } from '../db/pool.ts';
+import type { Logger } from '../logger.ts';
+import { PROCESS_REQUEST } from '../requests/jobs.ts';
+import { graphileLogger } from './graphile-logger.ts';
+import { processRequestTask, type ProcessRequestDeps } from './process-request.ts';
+
+export interface WorkerDeps {
+  config: Config;
+  pool: pg.Pool;
+  db: Db;
+  logger: Logger;
+  onFinished?: ProcessRequestDeps['onFinished'];
+}
+
+export async function startWorker(deps: WorkerDeps): Promise<Runner> {
+  return run({
+    pgPool: deps.pool,
+    concurrency: deps.config.workerConcurrency,
+    pollInterval: deps.config.workerPollIntervalMs,
+    noHandleSignals: true,
+    logger: graphileLogger(deps.logger),
+    taskList: {
+      [PROCESS_REQUEST]: processRequestTask({
+        db: deps.db,
+        config: deps.config,
+        logger: deps.logger,
+        ...(deps.onFinished ? { onFinished: deps.onFinished } : {}),
+      }),
+    },
+  });
+}

@@ -1,0 +1,95 @@
+// A real gateway for a test: its own database, real HTTP on a loopback port, the worker in
+// the same process (or not, by role), and its logs kept in memory for inspection.
+import { randomBytes } from 'node:crypto';
+import { Writable } from 'node:stream';
+import type pg from 'pg';
+import { loadConfig, type Config } from '../../src/config.ts';
+import { createDb, createPool, type Db } from '../../src/db/pool.ts';
+import type { KeyMode } from '../../src/ids.ts';
+import { createKey, type CreatedKey } from '../../src/keys/service.ts';
+import { createLogger } from '../../src/logger.ts';
+import { startGateway, type Role } from '../../src/main.ts';
+import { createTestDatabase } from './database.ts';
+
+interface Teardown {
+  teardown(fn: () => Promise<void> | void): void;
+}
+
+export interface TestGateway {
+  /** Base URL of the API (undefined for role "worker"). */
+  url: string;
+  databaseUrl: string;
+  config: Config;
+  /** A pool of the test's own, for reading and arranging rows. */
+  pool: pg.Pool;
+  db: Db;
+  /** Every log line written so far, as JSON text. */
+  logs: string[];
+  createKey(options?: { mode?: KeyMode; project?: string }): Promise<CreatedKey>;
+  stop(): Promise<void>;
+}
+
+/** Settings that keep tests quick: short waits, fast retries, frequent polling. */
+export const TEST_SETTINGS: Record<string, string> = {
+  PORT: '0',
+  HOST: '127.0.0.1',
+  LOG_LEVEL: 'info',
+  WAIT_TIMEOUT_MS: '3000',
+  UPSTREAM_TIMEOUT_MS: '2000',
+  RETRY_BASE_MS: '10',
+  RETRY_MAX_MS: '40',
+  WORKER_POLL_INTERVAL_MS: '50',
+  WORKER_CONCURRENCY: '16',
+  // Nothing in a test may reach a real provider.
+  UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1',
+};
+
+export async function startTestGateway(
+  t: Teardown,
+  options: { env?: Record<string, string>; role?: Role; databaseUrl?: string } = {},
+): Promise<TestGateway> {
+  const databaseUrl = options.databaseUrl ?? (await createTestDatabase(t));
+  const config = loadConfig({
+    ...TEST_SETTINGS,
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    ...options.env,
+    DATABASE_URL: databaseUrl,
+  });
+  const logs: string[] = [];
+  const sink = new Writable({
+    write(chunk: Buffer, _encoding, done) {
+      logs.push(...chunk.toString('utf8').split('\n').filter(Boolean));
+      done();
+    },
+  });
+  const logger = createLogger(config, sink);
+  const gateway = await startGateway({ config, logger, role: options.role ?? 'all', databaseUrl });
+  const pool = createPool(databaseUrl, { max: 4, applicationName: 'gateway-test', logger });
+  const db = createDb(pool);
+
+  let stopped = false;
+  const stop = async () => {
+    if (stopped) return;
+    stopped = true;
+    await gateway.stop();
+  };
+  t.teardown(async () => {
+    await stop();
+    await pool.end();
+  });
+
+  return {
+    url: gateway.url ?? '',
+    databaseUrl,
+    config,
+    pool,
+    db,
+    logs,
+    createKey: (keyOptions = {}) =>
+      createKey(db, config.secretEncryptionKey, {
+        project: keyOptions.project ?? 'test-project',
+        mode: keyOptions.mode ?? 'test',
+      }),
+    stop,
+  };
+}

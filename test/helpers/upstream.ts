@@ -1,0 +1,79 @@
+// A real OpenAI-compatible server on loopback, scripted by the test: each call to
+// POST /v1/chat/completions is answered by `reply`, which may also hang or drop the socket.
+import http from 'node:http';
+import type { AddressInfo } from 'node:net';
+
+export interface ReceivedCall {
+  count: number;
+  headers: http.IncomingHttpHeaders;
+  body: any;
+}
+
+export type Reply =
+  | { status: number; json?: unknown; text?: string; headers?: Record<string, string> }
+  | { hang: true }
+  | { reset: true };
+
+export interface FakeUpstream {
+  baseUrl: string;
+  calls: ReceivedCall[];
+}
+
+interface Teardown {
+  teardown(fn: () => Promise<void> | void): void;
+}
+
+export async function startFakeUpstream(
+  t: Teardown,
+  reply: (call: ReceivedCall) => Reply | Promise<Reply> = (call) => ({ status: 200, json: completionFor(call.body) }),
+): Promise<FakeUpstream> {
+  const calls: ReceivedCall[] = [];
+  const server = http.createServer(async (request, response) => {
+    const chunks: Buffer[] = [];
+    for await (const chunk of request) chunks.push(chunk as Buffer);
+    if (request.method !== 'POST' || request.url !== '/v1/chat/completions') {
+      response.writeHead(404).end();
+      return;
+    }
+    const text = Buffer.concat(chunks).toString('utf8');
+    const call: ReceivedCall = { count: calls.length + 1, headers: request.headers, body: JSON.parse(text) };
+    calls.push(call);
+    const answer = await reply(call);
+    if ('hang' in answer) return; // never answers; the gateway's timeout must end it
+    if ('reset' in answer) {
+      request.socket.destroy();
+      return;
+    }
+    const body = answer.text ?? JSON.stringify(answer.json ?? {});
+    response.writeHead(answer.status, { 'content-type': 'application/json', ...answer.headers });
+    response.end(body);
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  t.teardown(
+    () =>
+      new Promise<void>((resolve) => {
+        server.closeAllConnections();
+        server.close(() => resolve());
+      }),
+  );
+  const { port } = server.address() as AddressInfo;
+  return { baseUrl: `http://127.0.0.1:${port}/v1`, calls };
+}
+
+/** A well-formed chat completion answering the last message. */
+export function completionFor(body: { model?: string; messages?: { content: string }[] }) {
+  return {
+    id: `chatcmpl-fake${Math.random().toString(36).slice(2)}`,
+    object: 'chat.completion',
+    created: Math.floor(Date.now() / 1000),
+    model: body.model ?? 'fake',
+    choices: [
+      {
+        index: 0,
+        message: { role: 'assistant', content: `echo: ${body.messages?.at(-1)?.content ?? ''}` },
+        finish_reason: 'stop',
+      },
+    ],
+    usage: { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 },
+  };
+}

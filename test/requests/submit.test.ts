@@ -1,0 +1,81 @@
+import t from 'tap';
+import { clientFor, userMessage } from '../helpers/http.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { attemptRows, jobsFor, requestRow, waitForRow } from '../helpers/rows.ts';
+
+t.test('wait=false answers 202 with the acknowledgement, after the row and its job are committed', async (t) => {
+  // API only: no worker, so the request stays exactly as it was accepted.
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const before = Math.floor(Date.now() / 1000);
+
+  const answer = await clientFor(gateway.url, key).post({ model: 'test-echo', messages: userMessage(), wait: false });
+
+  t.equal(answer.status, 202);
+  t.same(Object.keys(answer.body).sort(), ['created', 'id', 'object', 'status']);
+  t.match(answer.body.id, /^req_[A-Za-z0-9]{20,40}$/);
+  t.equal(answer.body.object, 'chat.completion.async');
+  t.equal(answer.body.status, 'queued');
+  t.ok(answer.body.created >= before && answer.body.created <= Math.ceil(Date.now() / 1000));
+
+  const row = await requestRow(gateway.db, answer.body.id);
+  t.equal(row?.status, 'queued');
+  t.equal(row?.attempts, 0);
+  t.same(await jobsFor(gateway.db, answer.body.id).then((jobs) => jobs.map((job) => job.attempt)), [1]);
+});
+
+t.test('wait defaults to false', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const answer = await clientFor(gateway.url, await gateway.createKey()).post({ model: 'm', messages: userMessage() });
+  t.equal(answer.status, 202);
+  t.equal(answer.body.status, 'queued');
+});
+
+t.test('wait=true answers 200 with the completion when it finishes within the wait timeout', async (t) => {
+  const gateway = await startTestGateway(t);
+  const key = await gateway.createKey();
+  const answer = await clientFor(gateway.url, key).post({
+    model: 'test-delay-200',
+    messages: userMessage('take 200 ms'),
+    wait: true,
+  });
+  t.equal(answer.status, 200);
+  t.equal(answer.body.object, 'chat.completion');
+  t.match(answer.body.id, /^chatcmpl-/);
+  t.equal(answer.body.choices[0].message.content, 'take 200 ms');
+
+  // The body is the stored result, verbatim.
+  const { rows } = await gateway.pool.query('select result::text as result from gateway.requests');
+  t.equal(rows.length, 1);
+  t.equal(answer.text, rows[0].result);
+});
+
+t.test('wait=true falls back to the 202 acknowledgement after WAIT_TIMEOUT_MS, then completes', async (t) => {
+  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '300' } });
+  const key = await gateway.createKey();
+  const client = clientFor(gateway.url, key);
+  const answer = await client.post({ model: 'test-delay-1000', messages: userMessage(), wait: true });
+
+  t.equal(answer.status, 202);
+  t.equal(answer.body.object, 'chat.completion.async');
+  t.equal(answer.body.status, 'processing', 'carries the status at the time of the timeout');
+
+  await waitForRow(gateway.db, answer.body.id, (row) => row.status === 'completed');
+  const record = await client.get(answer.body.id);
+  t.equal(record.status, 200);
+  t.equal(record.body.status, 'completed');
+  t.equal(record.body.result.object, 'chat.completion');
+});
+
+t.test('wait=true answers a request that failed before the timeout at once, with 202 and status failed', async (t) => {
+  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '10000' } });
+  const key = await gateway.createKey();
+  const started = Date.now();
+  const answer = await clientFor(gateway.url, key).post({ model: 'test-error-400', messages: userMessage(), wait: true });
+  t.equal(answer.status, 202);
+  t.equal(answer.body.status, 'failed');
+  t.ok(Date.now() - started < 9000, 'did not sit out the wait timeout');
+  const row = await requestRow(gateway.db, answer.body.id);
+  t.equal(row?.last_error_code, 'upstream_bad_request');
+  t.equal((await attemptRows(gateway.db, answer.body.id)).length, 1);
+});
