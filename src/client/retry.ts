@@ -1,0 +1,54 @@
+// When to try a call again, and how long to wait first.
+import { APIUserAbortError } from './errors.ts';
+
+/** A retry-after longer than this is not waited out: the error is thrown instead. */
+export const MAX_RETRY_AFTER_MS = 60_000;
+
+const INITIAL_BACKOFF_MS = 500;
+const MAX_BACKOFF_MS = 8_000;
+
+/** 408 and 409 (lock and request timeouts), 429 and every 5xx; other 4xx would fail again. */
+export function isRetryableStatus(status: number): boolean {
+  return status === 408 || status === 409 || status === 429 || status >= 500;
+}
+
+/**
+ * Exponential backoff with jitter for the retry after `failures` failed attempts (1, 2, ...):
+ * 500 ms doubling up to 8 s, less up to a quarter at random so clients that failed together
+ * do not come back together.
+ */
+export function backoffMs(failures: number): number {
+  const ceiling = Math.min(INITIAL_BACKOFF_MS * 2 ** (failures - 1), MAX_BACKOFF_MS);
+  return ceiling * (1 - Math.random() * 0.25);
+}
+
+/**
+ * The wait the server asked for, in milliseconds: `retry-after-ms`, else `retry-after` in seconds
+ * or as an HTTP date. Undefined when neither header is there or readable.
+ */
+export function retryAfterMs(headers: Headers, now = Date.now()): number | undefined {
+  const milliseconds = headers.get('retry-after-ms');
+  if (milliseconds !== null && /^\s*\d+(\.\d+)?\s*$/.test(milliseconds)) return Number(milliseconds);
+  const value = headers.get('retry-after');
+  if (value === null) return undefined;
+  if (/^\s*\d+(\.\d+)?\s*$/.test(value)) return Number(value) * 1000;
+  const date = Date.parse(value);
+  return Number.isNaN(date) ? undefined : Math.max(0, date - now);
+}
+
+/** Resolves after `ms`, or rejects with APIUserAbortError as soon as `signal` fires. */
+export function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(new APIUserAbortError({ cause: signal.reason }));
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener('abort', aborted, { once: true });
+    function done() {
+      signal?.removeEventListener('abort', aborted);
+      resolve();
+    }
+    function aborted() {
+      clearTimeout(timer);
+      reject(new APIUserAbortError({ cause: signal?.reason }));
+    }
+  });
+}
