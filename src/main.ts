@@ -5,7 +5,7 @@ import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { Runner } from 'graphile-worker';
 import type pg from 'pg';
-import type { Config } from './config.ts';
+import { ConfigError, type Config } from './config.ts';
 import { schemaVersion } from './db/migrate.ts';
 import { createDb, createPool } from './db/pool.ts';
 import { createApp } from './http/app.ts';
@@ -31,6 +31,11 @@ export interface Gateway {
 
 export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const { config, logger, role, databaseUrl } = options;
+  if (role !== 'worker' && config.secretEncryptionKey === undefined) {
+    throw new ConfigError(
+      'SECRET_ENCRYPTION_KEY is not set: the API needs it to decrypt signing secrets and verify request signatures.',
+    );
+  }
   let apiPool: pg.Pool | undefined;
   let workerPool: pg.Pool | undefined;
   let waiters: Waiters | undefined;

@@ -15,6 +15,7 @@ export interface Database {
   api_keys: ApiKeysTable;
   requests: RequestsTable;
   request_attempts: RequestAttemptsTable;
+  signature_nonces: SignatureNoncesTable;
 }
 
 export interface MigrationsTable {
@@ -71,4 +72,10 @@ export interface RequestAttemptsTable {
   error_detail: string | null;
   duration_ms: number | null;
   worker_id: string | null;
+}
+
+export interface SignatureNoncesTable {
+  api_key_id: string;
+  nonce: string;
+  expires_at: Date;
 }

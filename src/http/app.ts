@@ -1,6 +1,6 @@
 // createApp(deps): the whole HTTP API as a Koa app, built without listening so tests and
 // main.ts wire it the same way. Per route, the chain is:
-//   authenticate (bearer key) -> readBody (size, media type) -> [verify signature] -> handler
+//   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
 import Router from '@koa/router';
 import Koa from 'koa';
 import type pg from 'pg';
@@ -13,6 +13,7 @@ import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
 import type { GatewayState } from './context.ts';
 import { renderErrors } from './errors.ts';
+import { verifyRequestSignature } from './signature.ts';
 import { createCompletion } from './routes/completions.ts';
 import { healthz, readyz } from './routes/health.ts';
 import { getRequest } from './routes/requests.ts';
@@ -29,6 +30,7 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
   const app = new Koa<GatewayState>();
   const router = new Router<GatewayState>();
   const requestDeps = { db: deps.db, waiters: deps.waiters, config: deps.config };
+  const signed = verifyRequestSignature(deps.config);
 
   router.get('/healthz', healthz);
   router.get('/readyz', readyz(deps.pool));
@@ -36,9 +38,10 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
     '/v1/chat/completions',
     authenticate(deps.db),
     readBody(deps.config.maxBodyBytes),
+    signed,
     createCompletion(requestDeps),
   );
-  router.get('/v1/requests/:id', authenticate(deps.db), getRequest(requestDeps));
+  router.get('/v1/requests/:id', authenticate(deps.db), signed, getRequest(requestDeps));
 
   app.use(accessLog(deps.logger));
   app.use(renderErrors(deps.logger));

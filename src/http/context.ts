@@ -1,12 +1,15 @@
 // What the middleware chain leaves on ctx.state for the handlers.
 import type { ParameterizedContext } from 'koa';
 import type { Auth } from '../keys/service.ts';
+import type { VerifiedSignature } from '../keys/signatures.ts';
 
 export interface GatewayState {
   /** Set by authenticate(): the key's project and mode. */
   auth: Auth;
-  /** Set by readBody(): the exact bytes of the request body (empty for GET). */
-  body: Buffer;
+  /** Set by readBody() on routes with a body: its exact bytes. */
+  body?: Buffer;
+  /** Set by verifyRequestSignature() when the request was signed. */
+  signature?: VerifiedSignature;
 }
 
 export type GatewayContext = ParameterizedContext<GatewayState>;

@@ -2,6 +2,7 @@
 import { sql } from 'kysely';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
+import type { Nonce } from '../requests/repository.ts';
 
 export interface KeyRecord {
   id: string;
@@ -85,4 +86,26 @@ export async function revokeKey(db: Db, id: string): Promise<KeyListing | undefi
       'revoked.revoked_at',
     ])
     .executeTakeFirst();
+}
+
+/** Gives a nonce back, for a request that was refused after all. */
+export async function deleteNonce(db: Db, nonce: Nonce): Promise<void> {
+  await db
+    .deleteFrom('signature_nonces')
+    .where('api_key_id', '=', nonce.api_key_id)
+    .where('nonce', '=', nonce.nonce)
+    .execute();
+}
+
+/** Deletes up to `limit` expired nonces; returns how many. */
+export async function deleteExpiredNonces(db: Db, limit: number): Promise<number> {
+  const { rows } = await sql<{ deleted: string }>`
+    with expired as (
+      delete from gateway.signature_nonces
+      where ctid = any (array(select ctid from gateway.signature_nonces where expires_at < now() limit ${limit}))
+      returning 1
+    )
+    select count(*) as deleted from expired
+  `.execute(db);
+  return Number(rows[0]?.deleted ?? 0);
 }

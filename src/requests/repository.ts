@@ -38,26 +38,56 @@ export interface RequestRecord {
   result: unknown;
 }
 
+/** A signed POST's nonce, to be recorded with the request it carried. */
+export interface Nonce {
+  api_key_id: string;
+  nonce: string;
+  expires_at: Date;
+}
+
+export type InsertResult =
+  | { kind: 'inserted'; answer: RequestAnswer }
+  /** The nonce was already used by this key: nothing was stored. */
+  | { kind: 'replayed_nonce' }
+  /** The idempotency key is taken in this project and mode: only the nonce was stored. */
+  | { kind: 'idempotency_key_taken' };
+
 /**
- * Inserts the request and its first job in one statement. Returns undefined, having stored
- * nothing, when the idempotency key is already taken in this project and mode.
+ * Records the nonce (if any), the request and its first job, in one statement: the nonce and
+ * the request are stored together or not at all.
  */
-export async function insertRequest(db: Db, request: NewRequest): Promise<RequestAnswer | undefined> {
-  const { rows } = await sql<RequestAnswer>`
-    with inserted as (
+export async function insertRequest(db: Db, request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
+  const nonceValue = nonce?.nonce ?? null;
+  const { rows } = await sql<{ nonce_accepted: boolean } & { [K in keyof RequestAnswer]: RequestAnswer[K] | null }>`
+    with nonce as (
+      insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
+      select ${nonce?.api_key_id ?? null}, ${nonceValue}::text, ${nonce?.expires_at ?? null}::timestamptz
+      where ${nonceValue}::text is not null
+      on conflict do nothing
+      returning nonce
+    ), inserted as (
       insert into gateway.requests
         (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key)
-      values (${request.id}, ${request.project_id}, ${request.mode}, ${request.api_key_id},
-              ${request.model}, ${request.body}, ${request.body_sha256}, ${request.idempotency_key})
+      select ${request.id}, ${request.project_id}, ${request.mode}, ${request.api_key_id},
+             ${request.model}, ${request.body}::json, ${request.body_sha256}, ${request.idempotency_key}
+      where ${nonceValue}::text is null or exists (select from nonce)
       on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
       returning id, status, created_at, body_sha256
+    ), queued as (
+      select inserted.*
+      from inserted,
+        lateral graphile_worker.add_job(${PROCESS_REQUEST},
+          json_build_object('request_id', inserted.id, 'attempt', 1)) as job
     )
-    select inserted.id, inserted.status, inserted.created_at, null as result, inserted.body_sha256
-    from inserted,
-      lateral graphile_worker.add_job(${PROCESS_REQUEST},
-        json_build_object('request_id', inserted.id, 'attempt', 1)) as job
+    select ${nonceValue}::text is null or exists (select from nonce) as nonce_accepted,
+           queued.id, queued.status, queued.created_at, null as result, queued.body_sha256
+    from (values (1)) as one
+    left join queued on true
   `.execute(db);
-  return rows[0];
+  const row = rows[0]!;
+  if (!row.nonce_accepted) return { kind: 'replayed_nonce' };
+  if (row.id === null) return { kind: 'idempotency_key_taken' };
+  return { kind: 'inserted', answer: row as RequestAnswer };
 }
 
 const answerColumns = sql`id, status, created_at, result::text as result, body_sha256`;

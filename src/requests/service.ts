@@ -5,9 +5,11 @@ import { TERMINAL_STATUSES, type RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import { idempotencyKeyReused, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
+import { deleteNonce } from '../keys/repository.ts';
 import type { Auth } from '../keys/service.ts';
+import { replayedRequest, SIGNATURE_WINDOW_SECONDS, type VerifiedSignature } from '../keys/signatures.ts';
 import * as repository from './repository.ts';
-import type { RequestAnswer, RequestRecord } from './repository.ts';
+import type { Nonce, RequestAnswer, RequestRecord } from './repository.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
 
@@ -17,6 +19,13 @@ export interface RequestDeps {
   db: Db;
   waiters: Waiters;
   config: Pick<Config, 'waitTimeoutMs'>;
+}
+
+export interface SubmitOptions {
+  /** The verified signature of the request, whose nonce is recorded with it. */
+  signature?: VerifiedSignature | undefined;
+  /** Aborts a wait=true wait (the client hung up); the request itself is unaffected. */
+  signal?: AbortSignal;
 }
 
 export type SubmitOutcome =
@@ -34,44 +43,70 @@ export async function submit(
   deps: RequestDeps,
   auth: Auth,
   submission: Submission,
-  signal?: AbortSignal,
+  options: SubmitOptions = {},
 ): Promise<SubmitOutcome> {
-  const scope = { project_id: auth.projectId, mode: auth.mode };
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
   let watch = submission.wait ? deps.waiters.watch(id) : undefined;
   try {
-    let answer: RequestAnswer | undefined;
-    let replayed = false;
-    for (let tries = 0; answer === undefined; tries++) {
-      answer = await repository.insertRequest(deps.db, {
-        id,
-        ...scope,
-        api_key_id: auth.keyId,
-        model: submission.model,
-        body: submission.body,
-        body_sha256: submission.bodySha256,
-        idempotency_key: submission.idempotencyKey ?? null,
-      });
-      if (answer === undefined) {
-        // The idempotency key is taken: by the time the insert gave way, its request was committed.
-        replayed = true;
-        answer = await repository.findAnswerByIdempotencyKey(deps.db, scope, submission.idempotencyKey!);
-        if (answer && !answer.body_sha256.equals(submission.bodySha256)) throw idempotencyKeyReused();
-        if (answer && watch) {
-          watch.close();
-          watch = deps.waiters.watch(answer.id);
-          answer = await repository.findAnswer(deps.db, answer.id);
-        }
-        // Deleted between the insert and the read (retention): try the insert again.
-        if (answer === undefined && tries >= 2) throw new Error('idempotent submission kept conflicting');
-      }
+    let { answer, replayed } = await store(deps, auth, submission, id, nonceOf(auth, options.signature));
+    if (watch && answer.id !== id) {
+      // An idempotent replay: watch the existing request instead, then read it again.
+      watch.close();
+      watch = deps.waiters.watch(answer.id);
+      answer = (await repository.findAnswer(deps.db, answer.id)) ?? answer;
     }
-    if (watch) answer = await waitForTerminal(deps, watch, answer, signal);
+    if (watch) answer = await waitForTerminal(deps, watch, answer, options.signal);
     return outcomeOf(answer, replayed, submission.wait);
   } finally {
     watch?.close();
   }
+}
+
+async function store(
+  deps: RequestDeps,
+  auth: Auth,
+  submission: Submission,
+  id: string,
+  nonce: Nonce | undefined,
+): Promise<{ answer: RequestAnswer; replayed: boolean }> {
+  const request = {
+    id,
+    project_id: auth.projectId,
+    mode: auth.mode,
+    api_key_id: auth.keyId,
+    model: submission.model,
+    body: submission.body,
+    body_sha256: submission.bodySha256,
+    idempotency_key: submission.idempotencyKey ?? null,
+  };
+  // Twice at most: the request holding the idempotency key may be deleted (retention) between
+  // the insert that found it and the read that looks for it.
+  for (let tries = 1; ; tries++) {
+    const inserted = await repository.insertRequest(deps.db, request, tries === 1 ? nonce : undefined);
+    if (inserted.kind === 'replayed_nonce') throw replayedRequest();
+    if (inserted.kind === 'inserted') return { answer: inserted.answer, replayed: false };
+
+    // The key is taken: by the time the insert gave way, the request holding it was committed.
+    const existing = await repository.findAnswerByIdempotencyKey(deps.db, request, request.idempotency_key!);
+    if (existing && existing.body_sha256.equals(submission.bodySha256)) return { answer: existing, replayed: true };
+    if (existing || tries >= 2) {
+      // A refused request stores nothing: not even its nonce.
+      if (nonce) await deleteNonce(deps.db, nonce);
+      if (existing) throw idempotencyKeyReused();
+      throw new Error('the request holding this idempotency key kept disappearing');
+    }
+  }
+}
+
+function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | undefined {
+  if (!signature) return undefined;
+  return {
+    api_key_id: auth.keyId,
+    nonce: signature.nonce,
+    // Past this, the signature's timestamp fails the window check anyway.
+    expires_at: new Date((signature.timestamp + SIGNATURE_WINDOW_SECONDS + 1) * 1000),
+  };
 }
 
 async function waitForTerminal(

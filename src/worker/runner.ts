@@ -1,10 +1,12 @@
-// The worker role: a graphile-worker pool running process_request jobs.
+// The worker role: a graphile-worker pool running process_request jobs, and the periodic
+// cleanup tasks (graphile-worker's cron: each runs once per period across all workers).
 import { run, type Runner } from 'graphile-worker';
 import type pg from 'pg';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
 import { PROCESS_REQUEST } from '../requests/jobs.ts';
+import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
 import { graphileLogger } from './graphile-logger.ts';
 import { processRequestTask, type ProcessRequestDeps } from './process-request.ts';
 
@@ -23,6 +25,7 @@ export async function startWorker(deps: WorkerDeps): Promise<Runner> {
     pollInterval: deps.config.workerPollIntervalMs,
     noHandleSignals: true,
     logger: graphileLogger(deps.logger),
+    crontab: `*/5 * * * * ${CLEANUP_NONCES}`,
     taskList: {
       [PROCESS_REQUEST]: processRequestTask({
         db: deps.db,
@@ -30,6 +33,7 @@ export async function startWorker(deps: WorkerDeps): Promise<Runner> {
         logger: deps.logger,
         ...(deps.onFinished ? { onFinished: deps.onFinished } : {}),
       }),
+      [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
     },
   });
 }

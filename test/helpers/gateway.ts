@@ -9,6 +9,7 @@ import type { KeyMode } from '../../src/ids.ts';
 import { createKey, type CreatedKey } from '../../src/keys/service.ts';
 import { createLogger } from '../../src/logger.ts';
 import { startGateway, type Role } from '../../src/main.ts';
+import type { Waiters } from '../../src/requests/waiters.ts';
 import { createTestDatabase } from './database.ts';
 
 interface Teardown {
@@ -25,6 +26,8 @@ export interface TestGateway {
   db: Db;
   /** Every log line written so far, as JSON text. */
   logs: string[];
+  /** The in-memory waiters of the API (undefined for role "worker"). */
+  waiters: Waiters | undefined;
   createKey(options?: { mode?: KeyMode; project?: string }): Promise<CreatedKey>;
   stop(): Promise<void>;
 }
@@ -85,6 +88,7 @@ export async function startTestGateway(
     pool,
     db,
     logs,
+    waiters: gateway.waiters,
     createKey: (keyOptions = {}) =>
       createKey(db, config.secretEncryptionKey, {
         project: keyOptions.project ?? 'test-project',

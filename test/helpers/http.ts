@@ -1,5 +1,6 @@
 // Talking to a test gateway over real HTTP, as its clients do.
 import type { CreatedKey } from '../../src/keys/service.ts';
+import { signature } from './signing.ts';
 
 export interface Answer {
   status: number;
@@ -15,7 +16,10 @@ export interface RawRequest {
   /** An object is sent as JSON; a string or Buffer as it is. */
   body?: unknown;
   headers?: Record<string, string>;
+  /** A created key signs what it sends with its signing secret; a bare string is only a bearer key. */
   key?: CreatedKey | string | null;
+  /** false: send no Svc-Signature (a `headers` entry still wins either way). */
+  sign?: boolean;
 }
 
 export async function send(baseUrl: string, request: RawRequest): Promise<Answer> {
@@ -25,11 +29,20 @@ export async function send(baseUrl: string, request: RawRequest): Promise<Answer
     body = typeof request.body === 'string' || Buffer.isBuffer(request.body) ? request.body : JSON.stringify(request.body);
     headers['content-type'] = 'application/json';
   }
+  const method = request.method ?? (body === undefined ? 'GET' : 'POST');
   const apiKey = typeof request.key === 'string' ? request.key : request.key?.api_key;
   if (apiKey) headers.authorization = `Bearer ${apiKey}`;
+  if (request.key && typeof request.key === 'object' && request.sign !== false) {
+    headers['svc-signature'] = signature({
+      secret: request.key.signing_secret,
+      method,
+      path: request.path,
+      ...(body === undefined ? {} : { body }),
+    });
+  }
   Object.assign(headers, request.headers);
   const response = await fetch(`${baseUrl}${request.path}`, {
-    method: request.method ?? (body === undefined ? 'GET' : 'POST'),
+    method,
     headers,
     ...(body === undefined ? {} : { body }),
   });

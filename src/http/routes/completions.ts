@@ -7,12 +7,15 @@ import type { GatewayState } from '../context.ts';
 
 export function createCompletion(deps: RequestDeps): Middleware<GatewayState> {
   return async (ctx) => {
-    const submission = parseSubmission(parseJson(ctx.state.body));
+    const submission = parseSubmission(parseJson(ctx.state.body!));
     // A client that hangs up stops its wait; its request runs on regardless.
     const disconnected = new AbortController();
     ctx.res.once('close', () => disconnected.abort());
 
-    const outcome = await submit(deps, ctx.state.auth, submission, disconnected.signal);
+    const outcome = await submit(deps, ctx.state.auth, submission, {
+      signature: ctx.state.signature,
+      signal: disconnected.signal,
+    });
 
     if (outcome.replayed) ctx.set('Idempotent-Replayed', 'true');
     if (outcome.kind === 'completed') {

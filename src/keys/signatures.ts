@@ -1,0 +1,58 @@
+// Request signatures (CONTRACT.md section 5):
+//   Svc-Signature: t=<unix seconds>,n=<nonce>,v1=<hex HMAC-SHA256>
+// over the six lines "v1", t, n, METHOD, path and query, SHA-256 hex of the body bytes, keyed
+// with the signing secret's UTF-8 bytes.
+import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
+import { authenticationError } from '../errors.ts';
+
+export const SIGNATURE_WINDOW_SECONDS = 300;
+const HEADER = /^t=(\d{1,12}),n=([A-Za-z0-9_-]{16,64}),v1=([0-9a-f]{64})$/;
+
+export interface SignedRequest {
+  method: string;
+  /** Path and query as sent, e.g. /v1/requests/req_123?x=1 */
+  path: string;
+  body: Buffer;
+}
+
+export interface VerifiedSignature {
+  timestamp: number;
+  nonce: string;
+}
+
+/** The string that is signed. */
+export function canonicalString(request: SignedRequest, timestamp: number, nonce: string): string {
+  const bodySha256 = createHash('sha256').update(request.body).digest('hex');
+  return ['v1', String(timestamp), nonce, request.method.toUpperCase(), request.path, bodySha256].join('\n');
+}
+
+/** Checks a Svc-Signature header; throws the contract's 401 for each way it can be wrong. */
+export function verifySignature(
+  header: string,
+  request: SignedRequest,
+  signingSecret: string,
+  nowSeconds = Math.floor(Date.now() / 1000),
+): VerifiedSignature {
+  const match = HEADER.exec(header.trim());
+  if (!match) {
+    throw authenticationError('invalid_signature', 'The Svc-Signature header is malformed: expected t=<seconds>,n=<nonce>,v1=<hex>.');
+  }
+  const timestamp = Number(match[1]);
+  const nonce = match[2]!;
+  const expected = createHmac('sha256', Buffer.from(signingSecret, 'utf8'))
+    .update(canonicalString(request, timestamp, nonce))
+    .digest();
+  if (!timingSafeEqual(expected, Buffer.from(match[3]!, 'hex'))) {
+    throw authenticationError('invalid_signature', 'The request signature does not match.');
+  }
+  if (Math.abs(nowSeconds - timestamp) > SIGNATURE_WINDOW_SECONDS) {
+    throw authenticationError(
+      'signature_expired',
+      `The signature's timestamp is more than ${SIGNATURE_WINDOW_SECONDS} seconds from the server's clock.`,
+    );
+  }
+  return { timestamp, nonce };
+}
+
+export const replayedRequest = () =>
+  authenticationError('replayed_request', 'This signature nonce was already used; sign every request with a new one.');

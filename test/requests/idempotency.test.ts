@@ -1,0 +1,115 @@
+// Idempotency keys (CONTRACT.md section 2): the same key and body is the same request, a
+// different body is a 422 that stores nothing, and concurrent first uses make one request.
+import t from 'tap';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
+import { countRows, jobsFor, waitForRow } from '../helpers/rows.ts';
+import { startFakeUpstream } from '../helpers/upstream.ts';
+
+t.test('the same key with the same body is the same request, whatever the key order and wait', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const first = await client.post({ model: 'm', messages: userMessage(), idempotency_key: 'order-1' });
+  t.equal(first.status, 202);
+  t.equal(first.headers.get('idempotent-replayed'), null, 'a first use is not a replay');
+
+  const again = await client.post({ idempotency_key: 'order-1', messages: userMessage(), model: 'm', wait: false });
+  t.equal(again.status, 202);
+  t.equal(again.body.id, first.body.id);
+  t.equal(again.body.status, 'queued');
+  t.equal(again.body.created, first.body.created);
+  t.equal(again.headers.get('idempotent-replayed'), 'true');
+
+  t.equal(await countRows(gateway.db, 'requests'), 1, 'one request');
+  t.equal((await jobsFor(gateway.db, first.body.id)).length, 1, 'one job');
+});
+
+t.test('a replay after completion answers at once, without a second upstream call', async (t) => {
+  const upstream = await startFakeUpstream(t);
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const body = { model: 'gpt-test', messages: userMessage(), idempotency_key: 'once' };
+
+  const first = await client.post({ ...body, wait: true });
+  t.equal(first.status, 200);
+
+  const replayWait = await client.post({ ...body, wait: true });
+  t.equal(replayWait.status, 200, 'wait=true replay of a completed request: 200 at once');
+  t.equal(replayWait.text, first.text, 'with the same completion');
+  t.equal(replayWait.headers.get('idempotent-replayed'), 'true');
+
+  const replayAsync = await client.post(body);
+  t.equal(replayAsync.status, 202);
+  t.equal(replayAsync.body.status, 'completed', 'the acknowledgement carries the current status');
+
+  t.equal(upstream.calls.length, 1, 'the upstream was called once');
+  t.equal(await countRows(gateway.db, 'requests'), 1);
+});
+
+t.test('a wait=true replay of a request still running waits for it', async (t) => {
+  const gateway = await startTestGateway(t);
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const body = { model: 'test-delay-400', messages: userMessage(), idempotency_key: 'slow' };
+  const first = await client.post(body);
+  const replay = await client.post({ ...body, wait: true });
+  t.equal(replay.status, 200);
+  t.equal(replay.body.object, 'chat.completion');
+  t.equal(replay.headers.get('idempotent-replayed'), 'true');
+  const row = await waitForRow(gateway.db, first.body.id, (row) => row.status === 'completed');
+  t.equal(row.attempts, 1);
+});
+
+t.test('the same key with a different body is 422 and stores nothing', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  await client.post({ model: 'm', messages: userMessage('one'), idempotency_key: 'k1' });
+  for (const changed of [
+    { model: 'm', messages: userMessage('two'), idempotency_key: 'k1' },
+    { model: 'other', messages: userMessage('one'), idempotency_key: 'k1' },
+    { model: 'm', messages: userMessage('one'), idempotency_key: 'k1', temperature: 1 },
+  ]) {
+    const answer = await client.post(changed);
+    t.equal(answer.status, 422);
+    t.same(answer.body.error, {
+      message: answer.body.error.message,
+      type: 'idempotency_error',
+      code: 'idempotency_key_reused',
+      param: 'idempotency_key',
+    });
+  }
+  t.equal(await countRows(gateway.db, 'requests'), 1);
+});
+
+t.test('concurrent first uses of one key create exactly one request, and all callers get its id', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const answers = await Promise.all(
+    Array.from({ length: 30 }, () => client.post({ model: 'm', messages: userMessage(), idempotency_key: 'race' })),
+  );
+  t.same(new Set(answers.map((answer) => answer.status)), new Set([202]));
+  const ids = new Set(answers.map((answer) => answer.body.id));
+  t.equal(ids.size, 1, 'one id for all');
+  t.equal(answers.filter((answer) => answer.headers.get('idempotent-replayed') === null).length, 1, 'one creator');
+  t.equal(await countRows(gateway.db, 'requests'), 1);
+  t.equal((await jobsFor(gateway.db, [...ids][0]!)).length, 1);
+});
+
+t.test('keys are scoped to a project and a mode', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const body = { model: 'm', messages: userMessage(), idempotency_key: 'shared' };
+  const ids = new Set<string>();
+  for (const key of [
+    await gateway.createKey({ project: 'alpha', mode: 'test' }),
+    await gateway.createKey({ project: 'alpha', mode: 'live' }),
+    await gateway.createKey({ project: 'beta', mode: 'test' }),
+  ]) {
+    const answer = await clientFor(gateway.url, key).post(body);
+    t.equal(answer.status, 202);
+    t.equal(answer.headers.get('idempotent-replayed'), null);
+    ids.add(answer.body.id);
+  }
+  t.equal(ids.size, 3);
+  const sameScope = await clientFor(gateway.url, await gateway.createKey({ project: 'alpha', mode: 'test' })).post(body);
+  t.ok(ids.has(sameScope.body.id), 'another key of the same project and mode replays');
+  t.equal(sameScope.headers.get('idempotent-replayed'), 'true');
+});
