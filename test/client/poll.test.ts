@@ -1,0 +1,53 @@
+// requests.poll: looks a request up, backing off, until it is completed or failed.
+import t from 'tap';
+import { APIUserAbortError, Gateway, NotFoundError } from '../../src/client/index.ts';
+import { API_KEY, BASE_URL, SECRET, checkCall, completion, errorResponse, jsonResponse, record, scriptedFetch } from './support.ts';
+
+function clientWith(script: Parameters<typeof scriptedFetch>[0]) {
+  const { fetch, calls } = scriptedFetch(script);
+  return { client: new Gateway({ apiKey: API_KEY, signingSecret: SECRET, baseURL: BASE_URL, fetch }), calls };
+}
+
+t.test('poll returns the completed record once the request is completed, after signed lookups', async (t) => {
+  const times: number[] = [];
+  const answer = (body: unknown) => () => (times.push(performance.now()), jsonResponse(200, body));
+  const completed = record('completed', { attempts: 1, result: completion('the end') });
+  const { client, calls } = clientWith([
+    answer(record('queued')),
+    answer(record('processing')),
+    answer(record('retrying', { last_error_code: 'upstream_server_error' })),
+    answer(completed),
+  ]);
+
+  const result = await client.requests.poll('req_0123456789abcdefghijklmn', { pollIntervalMs: 50 });
+
+  t.same(result, completed);
+  t.equal(result.status === 'completed' && result.result.choices[0]?.message.content, 'the end');
+  t.equal(calls.length, 4);
+  t.ok(calls.every((call) => call.method === 'GET' && new URL(call.url).pathname === '/v1/requests/req_0123456789abcdefghijklmn'));
+  t.ok(calls.every((call) => checkCall(call).valid), 'every lookup is signed');
+  const pauses = times.slice(1).map((time, index) => time - times[index]!);
+  t.ok(pauses[0]! >= 35 && pauses[2]! >= 150, `pauses grow: ${pauses.map(Math.round).join(', ')} ms`);
+});
+
+t.test('poll returns a failed record too: failed is final', async (t) => {
+  const failed = record('failed', { attempts: 5, last_error_code: 'upstream_bad_request' });
+  const { client, calls } = clientWith([jsonResponse(200, record('processing')), jsonResponse(200, failed)]);
+  const result = await client.requests.poll('req_0123456789abcdefghijklmn', { pollIntervalMs: 10 });
+  t.same(result, failed);
+  t.equal(calls.length, 2);
+});
+
+t.test('poll of an unknown id throws NotFoundError at once', async (t) => {
+  const { client, calls } = clientWith([errorResponse(404, { type: 'not_found_error', code: 'request_not_found' })]);
+  await t.rejects(client.requests.poll('req_unknown'), NotFoundError);
+  t.equal(calls.length, 1);
+});
+
+t.test('poll stops with APIUserAbortError when its signal fires between lookups', async (t) => {
+  const { client, calls } = clientWith([jsonResponse(200, record('processing'))]);
+  const controller = new AbortController();
+  setTimeout(() => controller.abort(), 300);
+  await t.rejects(client.requests.poll('req_x', { pollIntervalMs: 100, signal: controller.signal }), APIUserAbortError);
+  t.ok(calls.length >= 2 && calls.length <= 4, `${calls.length} lookups before the abort`);
+});

@@ -1,0 +1,216 @@
+// Retries, timeouts and aborts, with an injected fetch that scripts each answer.
+import t from 'tap';
+import {
+  APIConnectionError,
+  APIConnectionTimeoutError,
+  APIUserAbortError,
+  Gateway,
+  InternalServerError,
+  RateLimitError,
+  type GatewayOptions,
+} from '../../src/client/index.ts';
+import {
+  API_KEY,
+  BASE_URL,
+  SECRET,
+  checkCall,
+  completion,
+  errorResponse,
+  jsonResponse,
+  scriptedFetch,
+  type Scripted,
+} from './support.ts';
+
+const params = { model: 'test-echo', messages: [{ role: 'user' as const, content: 'hi' }], wait: true };
+const unavailable = (headers: Record<string, string> = {}) =>
+  errorResponse(503, { type: 'api_error', code: 'service_unavailable' }, headers);
+
+function clientWith(script: Scripted[], options: Partial<GatewayOptions> = {}) {
+  const scripted = scriptedFetch(script);
+  const client = new Gateway({ apiKey: API_KEY, signingSecret: SECRET, baseURL: BASE_URL, fetch: scripted.fetch, ...options });
+  return { client, calls: scripted.calls };
+}
+
+t.test('a 503 is retried with the same idempotency key and a new, valid signature each time', async (t) => {
+  const { client, calls } = clientWith([unavailable({ 'retry-after': '0' }), unavailable({ 'retry-after': '0' }), jsonResponse(200, completion('done'))]);
+
+  const result = await client.chat.completions.create(params);
+
+  t.equal(result.object, 'chat.completion');
+  t.equal(calls.length, 3);
+  const keys = calls.map((call) => call.json.idempotency_key);
+  t.match(keys[0], /^[\x20-\x7e]{1,255}$/, 'a key was generated');
+  t.same(new Set(keys).size, 1, 'every attempt carries the same idempotency key');
+  t.same(new Set(calls.map((call) => call.body)).size, 1, 'every attempt sends the same bytes');
+  const signatures = calls.map((call) => checkCall(call));
+  t.ok(signatures.every((signature) => signature.valid), 'every attempt is validly signed');
+  t.equal(new Set(signatures.map((signature) => signature.nonce)).size, 3, 'every attempt has a nonce of its own');
+});
+
+t.test('a dropped connection (fetch rejects with TypeError) is retried with the same key and a new nonce', async (t) => {
+  const { client, calls } = clientWith(['drop', jsonResponse(202, { id: 'req_x', object: 'chat.completion.async', status: 'queued', created: 1 })]);
+
+  const result = await client.chat.completions.create({ ...params, wait: false });
+
+  t.same(result, { id: 'req_x', object: 'chat.completion.async', status: 'queued', created: 1 });
+  t.equal(calls.length, 2);
+  t.equal(calls[1]!.json.idempotency_key, calls[0]!.json.idempotency_key);
+  t.not(checkCall(calls[1]!).nonce, checkCall(calls[0]!).nonce);
+  t.ok(checkCall(calls[1]!).valid);
+});
+
+t.test('a caller-chosen idempotency key is sent as is on every attempt', async (t) => {
+  const { client, calls } = clientWith(['drop', jsonResponse(200, completion())]);
+  await client.chat.completions.create({ ...params, idempotency_key: 'order-42' });
+  t.same(calls.map((call) => call.json.idempotency_key), ['order-42', 'order-42']);
+});
+
+t.test('two create calls get two different generated idempotency keys', async (t) => {
+  const { client, calls } = clientWith([jsonResponse(200, completion())]);
+  await client.chat.completions.create(params);
+  await client.chat.completions.create(params);
+  t.not(calls[0]!.json.idempotency_key, calls[1]!.json.idempotency_key);
+});
+
+t.test('408, 409, 429 and 500 are retried', async (t) => {
+  for (const status of [408, 409, 429, 500]) {
+    const { client, calls } = clientWith([
+      errorResponse(status, { type: 'api_error', code: 'x' }, { 'retry-after': '0' }),
+      jsonResponse(200, completion()),
+    ]);
+    const result = await client.chat.completions.create(params);
+    t.equal(result.object, 'chat.completion', `${status}: answered after a retry`);
+    t.equal(calls.length, 2, `${status}: two attempts`);
+  }
+});
+
+t.test('400, 401, 403, 404, 413 and 422 are not retried', async (t) => {
+  for (const status of [400, 401, 403, 404, 413, 422]) {
+    const { client, calls } = clientWith([errorResponse(status, { type: 't', code: 'c' }), jsonResponse(200, completion())]);
+    const error = await client.chat.completions.create(params).catch((caught: unknown) => caught);
+    t.equal((error as { status?: number }).status, status, `${status} is thrown`);
+    t.equal(calls.length, 1, `${status}: one attempt only`);
+  }
+});
+
+t.test('after maxRetries retries the last error is thrown, with its status and code', async (t) => {
+  const { client, calls } = clientWith([unavailable({ 'retry-after': '0' })], { maxRetries: 3 });
+  const error = await client.chat.completions.create(params).catch((caught: unknown) => caught);
+  t.type(error, InternalServerError);
+  t.equal((error as InternalServerError).status, 503);
+  t.equal((error as InternalServerError).code, 'service_unavailable');
+  t.equal(calls.length, 4, 'the first attempt and three retries');
+
+  const once = clientWith([unavailable()]);
+  await t.rejects(once.client.requests.get('req_x', { maxRetries: 0 }), InternalServerError);
+  t.equal(once.calls.length, 1, 'maxRetries 0 in the call options: no retry');
+});
+
+t.test('retry-after in seconds is waited out before the retry', async (t) => {
+  const { client, calls } = clientWith([
+    errorResponse(429, { type: 'rate_limit_error', code: 'rate_limit_exceeded' }, { 'retry-after': '1' }),
+    jsonResponse(200, completion()),
+  ]);
+  const started = performance.now();
+  await client.chat.completions.create(params);
+  const elapsed = performance.now() - started;
+  t.equal(calls.length, 2);
+  t.ok(elapsed >= 950, `waited ${Math.round(elapsed)} ms, at least the second asked for`);
+  t.ok(elapsed < 3000, 'and not much more');
+});
+
+t.test('retry-after as an HTTP date, and retry-after-ms, are honoured', async (t) => {
+  const inOneSecond = new Date(Date.now() + 1500).toUTCString(); // whole seconds: 0.5 to 1.5 s from now
+  const byDate = clientWith([unavailable({ 'retry-after': inOneSecond }), jsonResponse(200, completion())]);
+  let started = performance.now();
+  await byDate.client.chat.completions.create(params);
+  let elapsed = performance.now() - started;
+  t.ok(elapsed >= 450, `waited ${Math.round(elapsed)} ms until the date`);
+  t.ok(elapsed < 2500);
+
+  const byMs = clientWith([unavailable({ 'retry-after-ms': '700', 'retry-after': '30' }), jsonResponse(200, completion())]);
+  started = performance.now();
+  await byMs.client.chat.completions.create(params);
+  elapsed = performance.now() - started;
+  t.ok(elapsed >= 680 && elapsed < 2000, `retry-after-ms wins: waited ${Math.round(elapsed)} ms`);
+});
+
+t.test('without retry-after the retries back off exponentially, with jitter', async (t) => {
+  const times: number[] = [];
+  const stamp = (answer: 'drop' | Response) => () => (times.push(performance.now()), answer);
+  const { client } = clientWith([stamp('drop'), stamp('drop'), stamp(jsonResponse(200, completion()))]);
+  await client.chat.completions.create(params);
+  t.equal(times.length, 3);
+  const first = times[1]! - times[0]!;
+  const second = times[2]! - times[1]!;
+  t.ok(first >= 370 && first <= 700, `first pause ${Math.round(first)} ms (500 ms, less up to a quarter)`);
+  t.ok(second >= 740 && second <= 1300, `second pause ${Math.round(second)} ms (1 s, less up to a quarter)`);
+});
+
+t.test('a retry-after beyond a minute is not waited out: the error is thrown at once', async (t) => {
+  const { client, calls } = clientWith([
+    errorResponse(429, { type: 'rate_limit_error', code: 'rate_limit_exceeded' }, { 'retry-after': '3600' }),
+  ]);
+  const started = performance.now();
+  const error = await client.chat.completions.create(params).catch((caught: unknown) => caught);
+  t.type(error, RateLimitError);
+  t.equal((error as RateLimitError).headers?.get('retry-after'), '3600', 'the caller can read the wait asked for');
+  t.equal(calls.length, 1);
+  t.ok(performance.now() - started < 500);
+});
+
+t.test('an attempt that gets no answer within the timeout throws APIConnectionTimeoutError', async (t) => {
+  const { client, calls } = clientWith(['hang'], { maxRetries: 0 });
+  const started = performance.now();
+  const error = await client.chat.completions.create(params, { timeout: 200 }).catch((caught: unknown) => caught);
+  const elapsed = performance.now() - started;
+  t.type(error, APIConnectionTimeoutError);
+  t.type(error, APIConnectionError, 'a timeout is a kind of connection error');
+  t.equal((error as APIConnectionTimeoutError).status, undefined);
+  t.ok(elapsed >= 190 && elapsed < 1000, `gave up after ${Math.round(elapsed)} ms`);
+  t.equal(calls.length, 1);
+  t.equal(calls[0]!.signal?.aborted, true, 'the fetch was told to stop');
+});
+
+t.test('a timed-out attempt is retried under the same idempotency key', async (t) => {
+  const { client, calls } = clientWith(['hang', jsonResponse(200, completion('second time'))], { timeout: 150 });
+  const result = await client.chat.completions.create(params);
+  t.equal(result.object === 'chat.completion' && result.choices[0]?.message.content, 'second time');
+  t.equal(calls.length, 2);
+  t.equal(calls[1]!.json.idempotency_key, calls[0]!.json.idempotency_key);
+});
+
+t.test('the default timeout comfortably exceeds the server’s 30 s default wait', async (t) => {
+  const client = new Gateway({ apiKey: API_KEY, signingSecret: SECRET });
+  t.ok(client.timeout >= 60_000, `default timeout ${client.timeout} ms`);
+  t.equal(client.baseURL, 'http://localhost:8080');
+  t.equal(client.maxRetries, 2);
+});
+
+t.test('aborting the signal stops a call in flight with APIUserAbortError, without a retry', async (t) => {
+  const { client, calls } = clientWith(['hang']);
+  const controller = new AbortController();
+  setTimeout(() => controller.abort(new Error('user gave up')), 100);
+  const started = performance.now();
+  const error = await client.chat.completions.create(params, { signal: controller.signal }).catch((caught: unknown) => caught);
+  t.type(error, APIUserAbortError);
+  t.equal(((error as APIUserAbortError).cause as Error).message, 'user gave up');
+  t.ok(performance.now() - started < 1000);
+  t.equal(calls.length, 1);
+});
+
+t.test('aborting during the wait before a retry stops at once', async (t) => {
+  const { client, calls } = clientWith([unavailable({ 'retry-after': '30' })]);
+  const controller = new AbortController();
+  setTimeout(() => controller.abort(), 150);
+  const started = performance.now();
+  await t.rejects(client.chat.completions.create(params, { signal: controller.signal }), APIUserAbortError);
+  t.ok(performance.now() - started < 1000, 'did not sit out the 30 s');
+  t.equal(calls.length, 1);
+});
+
+t.test('an already aborted signal sends nothing', async (t) => {
+  const { client, calls } = clientWith([jsonResponse(200, completion())]);
+  await t.rejects(client.requests.get('req_x', { signal: AbortSignal.abort() }), APIUserAbortError);
+  t.equal(calls.length, 0);
+});
