@@ -1,0 +1,151 @@
+// The gateway command line (CONTRACT.md section 7), run as real processes against a database.
+import { execFile } from 'node:child_process';
+import { createHash, randomBytes } from 'node:crypto';
+import { promisify } from 'node:util';
+import pg from 'pg';
+import t from 'tap';
+import { createTestDatabase, urlForDatabase } from './helpers/database.ts';
+import { startTestGateway } from './helpers/gateway.ts';
+import { clientFor, userMessage } from './helpers/http.ts';
+
+const run = promisify(execFile);
+const CLI = new URL('../src/cli.ts', import.meta.url).pathname;
+
+async function gateway(args: string[], env: Record<string, string | undefined>) {
+  const { DATABASE_URL: _ignored, SECRET_ENCRYPTION_KEY: _also, ...inherited } = process.env;
+  try {
+    const { stdout, stderr } = await run(process.execPath, [CLI, ...args], {
+      env: { ...inherited, LOG_LEVEL: 'warn', ...env },
+    });
+    return { code: 0, stdout, stderr };
+  } catch (error) {
+    const failed = error as { code: number; stdout: string; stderr: string };
+    return { code: failed.code, stdout: failed.stdout, stderr: failed.stderr };
+  }
+}
+
+/** An empty database (not cloned from the migrated template). */
+async function emptyDatabase(t: Parameters<typeof createTestDatabase>[0]) {
+  const adminUrl = process.env.GATEWAY_TEST_ADMIN_URL!;
+  const name = `gateway_test_empty_${randomBytes(6).toString('hex')}`;
+  const admin = new pg.Client({ connectionString: adminUrl });
+  await admin.connect();
+  await admin.query(`create database ${name}`);
+  await admin.end();
+  t.teardown(async () => {
+    const client = new pg.Client({ connectionString: adminUrl });
+    await client.connect();
+    await client.query(`drop database if exists ${name} with (force)`);
+    await client.end();
+  });
+  return urlForDatabase(adminUrl, name);
+}
+
+t.test('migrate builds the schema, twice at once, and again with nothing left to do', async (t) => {
+  const url = await emptyDatabase(t);
+  const [first, second] = await Promise.all([
+    gateway(['migrate'], { DATABASE_URL: url }),
+    gateway(['migrate'], { DATABASE_URL: url }),
+  ]);
+  t.equal(first.code, 0, first.stderr);
+  t.equal(second.code, 0, second.stderr);
+  const again = await gateway(['migrate'], { DATABASE_URL: url });
+  t.equal(again.code, 0);
+  t.match(again.stdout, /up to date/);
+
+  const client = new pg.Client({ connectionString: url });
+  await client.connect();
+  t.teardown(() => client.end());
+  const { rows } = await client.query('select id from gateway.migrations order by id');
+  t.same(rows.map((row) => row.id), [1, 2]);
+  const tables = await client.query(
+    `select table_schema || '.' || table_name as name from information_schema.tables
+     where table_schema in ('gateway', 'graphile_worker') and table_type = 'BASE TABLE' order by 1`,
+  );
+  t.ok(tables.rows.some((row) => row.name === 'graphile_worker._private_jobs'), 'graphile-worker migrated too');
+  t.same(
+    tables.rows.filter((row) => row.name.startsWith('gateway.')).map((row) => row.name),
+    ['gateway.api_keys', 'gateway.migrations', 'gateway.projects', 'gateway.request_attempts', 'gateway.requests', 'gateway.signature_nonces'],
+  );
+});
+
+t.test('keys create, list and revoke', async (t) => {
+  const service = await startTestGateway(t, { role: 'api' });
+  const env = {
+    DATABASE_URL: service.databaseUrl,
+    SECRET_ENCRYPTION_KEY: service.config.secretEncryptionKey!.toString('base64'),
+  };
+
+  const created = await gateway(['keys', 'create', '--project', 'acme', '--mode', 'test', '--json'], env);
+  t.equal(created.code, 0, created.stderr);
+  const key = JSON.parse(created.stdout);
+  t.same(Object.keys(key), ['project', 'mode', 'api_key', 'signing_secret']);
+  t.equal(key.project, 'acme');
+  t.equal(key.mode, 'test');
+  t.match(key.api_key, /^svc_test_[A-Za-z0-9]{32,}$/);
+  t.match(key.signing_secret, /^svc_sig_[A-Za-z0-9]{32,}$/);
+
+  const human = await gateway(['keys', 'create', '--project', 'acme'], env);
+  t.match(human.stdout, /svc_live_[A-Za-z0-9]{32,}/, 'live by default');
+  t.match(human.stdout, /shown this once/);
+
+  // The key works, signed with its secret.
+  const accepted = await clientFor(service.url, { ...key, id: '' }).post({ model: 'm', messages: userMessage() });
+  t.equal(accepted.status, 202);
+
+  // Neither the key nor the secret is stored in plain text.
+  const { rows } = await service.pool.query('select * from gateway.api_keys');
+  const stored = JSON.stringify(rows.map((row) => Object.values(row).map((value) => (Buffer.isBuffer(value) ? value.toString('latin1') : value))));
+  t.notOk(stored.includes(key.api_key), 'no plain API key');
+  t.notOk(stored.includes(key.signing_secret), 'no plain signing secret');
+  t.notOk(stored.includes(key.signing_secret.slice('svc_sig_'.length)), 'not even the secret without its prefix');
+  const sha = createHash('sha256').update(key.api_key).digest();
+  t.ok(rows.some((row) => row.key_sha256.equals(sha)), 'the SHA-256 is what identifies the key');
+
+  const listed = await gateway(['keys', 'list', '--project', 'acme', '--json'], env);
+  const keys = JSON.parse(listed.stdout);
+  t.equal(keys.length, 2);
+  const listedKey = keys.find((entry: { key: string }) => entry.key.endsWith(key.api_key.slice(-4)));
+  t.match(listedKey, { project: 'acme', mode: 'test', status: 'active', revoked_at: null });
+  t.notOk(listed.stdout.includes(key.api_key), 'listing never shows a key');
+  const table = await gateway(['keys', 'list'], env);
+  t.match(table.stdout, /^id\s+project\s+mode\s+key\s+status/m);
+
+  const revoked = await gateway(['keys', 'revoke', listedKey.id], env);
+  t.equal(revoked.code, 0, revoked.stderr);
+  t.match(revoked.stdout, new RegExp(`Revoked key ${listedKey.id}`));
+  const refused = await clientFor(service.url, { ...key, id: '' }).post({ model: 'm', messages: userMessage() });
+  t.equal(refused.status, 401);
+  t.equal(refused.body.error.code, 'invalid_api_key');
+
+  const unknown = await gateway(['keys', 'revoke', 'key_doesnotexist000000'], env);
+  t.equal(unknown.code, 1);
+  t.match(unknown.stderr, /No key with id/);
+});
+
+t.test('mistakes get a message and a non-zero exit, not a stack trace', async (t) => {
+  const url = await createTestDatabase(t);
+  const noSecret = await gateway(['keys', 'create', '--project', 'x'], { DATABASE_URL: url });
+  t.equal(noSecret.code, 1);
+  t.match(noSecret.stderr, /SECRET_ENCRYPTION_KEY is not set/);
+
+  const badProject = await gateway(['keys', 'create', '--project', 'no spaces'], {
+    DATABASE_URL: url,
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+  });
+  t.equal(badProject.code, 1);
+  t.match(badProject.stderr, /project name/);
+
+  const serveWithoutDatabase = await gateway(['serve'], {});
+  t.equal(serveWithoutDatabase.code, 1);
+  t.match(serveWithoutDatabase.stderr, /DATABASE_URL is not set/);
+
+  const badSetting = await gateway(['migrate'], { DATABASE_URL: url, MAX_ATTEMPTS: 'lots' });
+  t.equal(badSetting.code, 1);
+  t.match(badSetting.stderr, /MAX_ATTEMPTS must be a whole number/);
+
+  const unknownCommand = await gateway(['frobnicate'], { DATABASE_URL: url });
+  t.equal(unknownCommand.code, 2);
+  t.match(unknownCommand.stderr, /Unknown command/);
+  t.match(unknownCommand.stderr, /Usage: gateway/);
+});

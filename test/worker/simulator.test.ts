@@ -1,0 +1,60 @@
+// Test mode (CONTRACT.md section 4): the built-in simulator answers by model name, and a test
+// key's request never reaches the upstream.
+import t from 'tap';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
+import { attemptRows, isTerminal, waitForRow } from '../helpers/rows.ts';
+import { startFakeUpstream } from '../helpers/upstream.ts';
+
+t.test('simulated behaviours, and no call to the upstream', async (t) => {
+  const upstream = await startFakeUpstream(t);
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_ATTEMPTS: '4', UPSTREAM_TIMEOUT_MS: '200' },
+  });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'test' }));
+  const run = async (model: string) => {
+    const accepted = await client.post({ model, messages: userMessage(`for ${model}`) });
+    const row = await waitForRow(gateway.db, accepted.body.id, isTerminal);
+    return { row, attempts: await attemptRows(gateway.db, row.id) };
+  };
+
+  const echo = await run('any-model');
+  t.match(echo.row, { status: 'completed', attempts: 1, last_error_code: null });
+  const result = echo.row.result as any;
+  t.match(result.id, /^chatcmpl-/);
+  t.equal(result.object, 'chat.completion');
+  t.equal(result.model, 'any-model');
+  t.equal(result.choices.length, 1);
+  t.same(result.choices[0].message, { role: 'assistant', content: 'for any-model', refusal: null });
+  t.equal(result.choices[0].finish_reason, 'stop');
+  t.ok(result.usage.prompt_tokens > 0 && result.usage.completion_tokens > 0);
+  t.equal(result.usage.total_tokens, result.usage.prompt_tokens + result.usage.completion_tokens);
+
+  const flaky = await run('test-fail-2');
+  t.match(flaky.row, { status: 'completed', attempts: 3, last_error_code: 'upstream_server_error' });
+  t.same(flaky.attempts.map((attempt) => [attempt.outcome, attempt.error_code, attempt.upstream_status]), [
+    ['failed', 'upstream_server_error', 500],
+    ['failed', 'upstream_server_error', 500],
+    ['succeeded', null, 200],
+  ]);
+
+  for (const [status, code, attempts] of [
+    [400, 'upstream_bad_request', 1],
+    [422, 'upstream_bad_request', 1],
+    [401, 'upstream_auth_error', 1],
+    [429, 'upstream_rate_limited', 4],
+    [503, 'upstream_server_error', 4],
+  ] as const) {
+    const { row } = await run(`test-error-${status}`);
+    t.match(row, { status: 'failed', attempts, last_error_code: code }, `test-error-${status}`);
+  }
+
+  const slow = await run('test-delay-100');
+  t.match(slow.row, { status: 'completed', attempts: 1 });
+  t.ok(slow.attempts[0]!.duration_ms! >= 100, 'test-delay-100 took at least 100 ms');
+
+  const tooSlow = await run('test-delay-1000');
+  t.match(tooSlow.row, { status: 'failed', attempts: 4, last_error_code: 'upstream_timeout' }, 'a delay past UPSTREAM_TIMEOUT_MS times out');
+
+  t.equal(upstream.calls.length, 0, 'nothing reached the upstream');
+});

@@ -1,0 +1,131 @@
+// Live mode against a real OpenAI-compatible server on loopback: each upstream answer ends in
+// the contract's state and attempt error code (CONTRACT.md section 1).
+import { createServer } from 'node:net';
+import t, { type Test } from 'tap';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
+import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
+import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
+
+const MAX_ATTEMPTS = 3;
+
+async function runAgainst(t: Test, reply: (count: number) => Reply, env: Record<string, string> = {}) {
+  const upstream = await startFakeUpstream(t, (call) => reply(call.count));
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_ATTEMPTS: String(MAX_ATTEMPTS), UPSTREAM_TIMEOUT_MS: '300', ...env },
+  });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
+  const row = await waitForRow(gateway.db, accepted.body.id, isTerminal);
+  return { gateway, upstream, row, attempts: await attemptRows(gateway.db, row.id) };
+}
+
+t.test('200 with a chat completion: completed after one attempt, the result stored verbatim', async (t) => {
+  const text = `{"object":"chat.completion", "id":"chatcmpl-1",  "choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"x":1.50}`;
+  const { gateway, row, attempts } = await runAgainst(t, () => ({ status: 200, text }));
+  t.equal(row.status, 'completed');
+  t.equal(row.attempts, 1);
+  t.equal(row.last_error_code, null);
+  t.ok(row.finished_at);
+  const { rows } = await gateway.pool.query('select result::text as result from gateway.requests where id = $1', [row.id]);
+  t.equal(rows[0].result, text, 'byte for byte what the upstream sent');
+  t.equal(attempts.length, 1);
+  t.match(attempts[0], { attempt_number: 1, outcome: 'succeeded', upstream_status: 200, error_code: null });
+  t.ok((attempts[0]!.duration_ms ?? -1) >= 0);
+});
+
+for (const [status, code] of [
+  [400, 'upstream_bad_request'],
+  [404, 'upstream_bad_request'],
+  [413, 'upstream_bad_request'],
+  [422, 'upstream_bad_request'],
+  [401, 'upstream_auth_error'],
+  [403, 'upstream_auth_error'],
+] as const) {
+  t.test(`${status}: failed with ${code} after one attempt, not retried`, async (t) => {
+    const { row, attempts, upstream } = await runAgainst(t, () => ({ status, json: { error: { message: 'no' } } }));
+    t.equal(row.status, 'failed');
+    t.equal(row.attempts, 1);
+    t.equal(row.last_error_code, code);
+    t.equal(upstream.calls.length, 1);
+    t.match(attempts, [{ outcome: 'failed', error_code: code, upstream_status: status }]);
+  });
+}
+
+for (const [name, reply, code, upstreamStatus] of [
+  ['500', { status: 500 }, 'upstream_server_error', 500],
+  ['502', { status: 502 }, 'upstream_server_error', 502],
+  ['503', { status: 503 }, 'upstream_server_error', 503],
+  ['408', { status: 408 }, 'upstream_server_error', 408],
+  ['409', { status: 409 }, 'upstream_server_error', 409],
+  ['429', { status: 429 }, 'upstream_rate_limited', 429],
+  ['200 with a body that is not JSON', { status: 200, text: 'this is not JSON' }, 'upstream_invalid_response', 200],
+  ['200 with a JSON object that is no chat completion', { status: 200, json: { hello: 'world' } }, 'upstream_invalid_response', 200],
+  ['200 with a JSON array', { status: 200, json: [1, 2] }, 'upstream_invalid_response', 200],
+  ['200 with a chat completion without an id', { status: 200, json: { object: 'chat.completion', choices: [] } }, 'upstream_invalid_response', 200],
+  ['an upstream that never answers', { hang: true }, 'upstream_timeout', null],
+  ['a connection reset', { reset: true }, 'upstream_connection_error', null],
+] as const) {
+  t.test(`${name}: retried, then failed with ${code} after MAX_ATTEMPTS`, async (t) => {
+    const { row, attempts, upstream } = await runAgainst(t, () => reply as Reply);
+    t.equal(row.status, 'failed');
+    t.equal(row.attempts, MAX_ATTEMPTS);
+    t.equal(row.last_error_code, code);
+    t.equal(upstream.calls.length, MAX_ATTEMPTS);
+    t.same(
+      attempts.map((attempt) => [attempt.attempt_number, attempt.outcome, attempt.error_code, attempt.upstream_status]),
+      [1, 2, 3].map((n) => [n, 'failed', code, upstreamStatus]),
+    );
+  });
+}
+
+t.test('connection refused: upstream_connection_error', async (t) => {
+  const closedPort = await new Promise<number>((resolve) => {
+    const server = createServer().listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as { port: number };
+      server.close(() => resolve(port));
+    });
+  });
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${closedPort}/v1`, MAX_ATTEMPTS: '2' },
+  });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
+  const row = await waitForRow(gateway.db, accepted.body.id, isTerminal);
+  t.match(row, { status: 'failed', attempts: 2, last_error_code: 'upstream_connection_error' });
+  const attempts = await attemptRows(gateway.db, row.id);
+  t.match(attempts[0], { error_code: 'upstream_connection_error', error_detail: /ECONNREFUSED/ });
+});
+
+t.test('a failure then a success: completed, and last_error_code keeps the failure', async (t) => {
+  const { row, attempts } = await runAgainst(t, (count) =>
+    count === 1 ? { status: 500 } : { status: 200, json: completionFor({ messages: [{ content: 'x' }] }) },
+  );
+  t.match(row, { status: 'completed', attempts: 2, last_error_code: 'upstream_server_error' });
+  t.same(attempts.map((attempt) => attempt.outcome), ['failed', 'succeeded']);
+});
+
+t.test('a retry-after longer than the backoff is honoured', async (t) => {
+  const { row, attempts } = await runAgainst(t, (count) =>
+    count === 1
+      ? { status: 429, headers: { 'retry-after': '1' } }
+      : { status: 200, json: completionFor({ messages: [{ content: 'x' }] }) },
+  );
+  t.match(row, { status: 'completed', attempts: 2, last_error_code: 'upstream_rate_limited' });
+  const gap = attempts[1]!.started_at.getTime() - attempts[0]!.finished_at!.getTime();
+  t.ok(gap >= 950, `the second attempt started ${gap} ms after the first ended (retry-after: 1 s, backoff cap 40 ms)`);
+});
+
+t.test('the upstream receives the stored body and the upstream key, never our own fields', async (t) => {
+  const { upstream, gateway, row } = await runAgainst(t, () => ({ status: 200, json: completionFor({}) }), {
+    UPSTREAM_API_KEY: 'sk-upstream-test-key',
+  });
+  t.equal(upstream.calls.length, 1);
+  const call = upstream.calls[0]!;
+  t.equal(call.headers.authorization, 'Bearer sk-upstream-test-key');
+  t.match(call.headers['content-type'], /^application\/json/);
+  t.same(call.body, { model: 'gpt-test', messages: userMessage() });
+  const stored = await requestRow(gateway.db, row.id);
+  t.same(stored?.body, call.body);
+  t.notOk(gateway.logs.some((line) => line.includes('sk-upstream-test-key')), 'the upstream key is not logged');
+});
