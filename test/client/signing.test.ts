@@ -40,7 +40,7 @@ t.test('a request without a body is signed over the SHA-256 of the empty string,
   t.equal(signed.signature, hmacHex(['v1', '5', 'n'.repeat(16), 'GET', '/v1/requests/req_1?x=1', emptySha].join('\n')));
 });
 
-t.test('bytes and strings with the same content sign alike', async (t) => {
+t.test('bytes and strings with the same content sign alike, over the six lines stringToSign shows', async (t) => {
   const parts = { signingSecret: SECRET, method: 'POST', path: '/v1/chat/completions', timestamp: 7, nonce: 'q'.repeat(20) };
   const fromString = await signRequest({ ...parts, body: '{"a":"ü"}' });
   const fromBytes = await signRequest({ ...parts, body: new TextEncoder().encode('{"a":"ü"}') });
