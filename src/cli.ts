@@ -3,6 +3,7 @@
 import { parseArgs } from 'node:util';
 import * as v from 'valibot';
 import { createKeyCommand, listKeysCommand, revokeKeyCommand } from './cli/keys.ts';
+import { requestCommand } from './cli/request.ts';
 import { CommandError } from './cli/output.ts';
 import { loadConfig, type Config, ConfigError } from './config.ts';
 import { migrate } from './db/migrate.ts';
@@ -25,6 +26,10 @@ const USAGE = `Usage: gateway <command>
                                its signing secret, once
   keys list [--project <name>] [--json]
   keys revoke <key id> [--json]
+  request <METHOD> <path> [body | - | @file] [--verbose]
+                               one signed call to a running gateway, with the key and secret in
+                               GATEWAY_API_KEY and GATEWAY_SIGNING_SECRET (GATEWAY_BASE_URL:
+                               http://localhost:8080); --verbose shows what is signed
 
 Settings are environment variables; see README.md.`;
 
@@ -47,6 +52,8 @@ async function main(argv: string[]): Promise<void> {
       });
     case 'keys':
       return keys(config, rest);
+    case 'request':
+      return request(config, rest);
     case undefined:
     case 'help':
     case '--help':
@@ -121,6 +128,20 @@ async function keys(config: Config, args: string[]): Promise<void> {
     default:
       throw new UsageError('keys takes create, list or revoke.');
   }
+}
+
+async function request(config: Config, args: string[]): Promise<void> {
+  const { values, positionals } = parse(args, { verbose: { type: 'boolean', default: false } }, true);
+  const [method, path, body] = positionals;
+  if (method === undefined || path === undefined || positionals.length > 3) {
+    throw new UsageError('request needs a method and a path, and takes an optional body.');
+  }
+  const ok = await requestCommand(
+    config.client,
+    { method, path, body, verbose: values.verbose! },
+    { out: (text) => console.log(text), err: (text) => console.error(text) },
+  );
+  if (!ok) process.exitCode = 1;
 }
 
 interface AdminContext {

@@ -58,6 +58,10 @@ const Environment = v.object({
   DATABASE_POOL_SIZE: integer('DATABASE_POOL_SIZE', 10, 2, 1_000),
   WORKER_POOL_SIZE: integer('WORKER_POOL_SIZE', 10, 3, 1_000),
 
+  GATEWAY_API_KEY: optionalText,
+  GATEWAY_SIGNING_SECRET: optionalText,
+  GATEWAY_BASE_URL: v.optional(v.pipe(v.string(), v.trim(), v.url('GATEWAY_BASE_URL must be a URL')), 'http://localhost:8080'),
+
   DATA_DIR: text('.data'),
   EMBEDDED_POSTGRES_PORT: integer('EMBEDDED_POSTGRES_PORT', 54329, 1, 65535),
 });
@@ -89,6 +93,9 @@ export interface Config {
   readonly workerPollIntervalMs: number;
   readonly databasePoolSize: number;
   readonly workerPoolSize: number;
+
+  /** Credentials and address `gateway request` calls the API with (it is a client, not the server). */
+  readonly client: { apiKey: string | undefined; signingSecret: string | undefined; baseUrl: string };
 
   /** Where the embedded Postgres and other local state live when DATABASE_URL is unset. */
   readonly dataDir: string;
@@ -128,6 +135,11 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     workerPollIntervalMs: e.WORKER_POLL_INTERVAL_MS,
     databasePoolSize: e.DATABASE_POOL_SIZE,
     workerPoolSize: e.WORKER_POOL_SIZE,
+    client: Object.freeze({
+      apiKey: e.GATEWAY_API_KEY,
+      signingSecret: e.GATEWAY_SIGNING_SECRET,
+      baseUrl: e.GATEWAY_BASE_URL.replace(/\/+$/, ''),
+    }),
     dataDir: e.DATA_DIR,
     embeddedPostgresPort: e.EMBEDDED_POSTGRES_PORT,
   });

@@ -149,3 +149,32 @@ t.test('mistakes get a message and a non-zero exit, not a stack trace', async (t
   t.match(unknownCommand.stderr, /Unknown command/);
   t.match(unknownCommand.stderr, /Usage: gateway/);
 });
+
+t.test('request makes signed calls from the environment\'s key and secret', async (t) => {
+  const service = await startTestGateway(t);
+  const key = await service.createKey();
+  const env = { GATEWAY_API_KEY: key.api_key, GATEWAY_SIGNING_SECRET: key.signing_secret, GATEWAY_BASE_URL: service.url };
+
+  const body = JSON.stringify({ model: 'test-echo', messages: userMessage('from the command line'), wait: true });
+  const created = await gateway(['request', 'POST', '/v1/chat/completions', body, '--verbose'], env);
+  t.equal(created.code, 0, created.stderr);
+  t.match(created.stderr, /HTTP 200/);
+  t.match(created.stderr, /string to sign:\n {4}v1\n {4}\d+\n {4}[A-Za-z0-9_-]+\n {4}POST\n {4}\/v1\/chat\/completions\n {4}[0-9a-f]{64}/);
+  t.notOk(created.stderr.includes(key.signing_secret), 'the secret is never printed');
+  const completion = JSON.parse(created.stdout);
+  t.equal(completion.choices[0].message.content, 'from the command line');
+
+  const { rows } = await service.pool.query('select id from gateway.requests');
+  const lookup = await gateway(['request', 'GET', `/v1/requests/${rows[0].id}`], env);
+  t.equal(lookup.code, 0);
+  t.match(JSON.parse(lookup.stdout), { id: rows[0].id, status: 'completed' });
+
+  const missing = await gateway(['request', 'GET', '/v1/requests/req_00000000000000000000'], env);
+  t.equal(missing.code, 1, 'a non-2xx answer exits 1');
+  t.match(missing.stderr, /HTTP 404/);
+  t.match(JSON.parse(missing.stdout), { error: { code: 'request_not_found' } });
+
+  const noCredentials = await gateway(['request', 'GET', '/v1/requests/x'], { GATEWAY_BASE_URL: service.url });
+  t.equal(noCredentials.code, 1);
+  t.match(noCredentials.stderr, /GATEWAY_API_KEY and GATEWAY_SIGNING_SECRET/);
+});
