@@ -2,7 +2,7 @@
 # node_modules/.bin), not on whatever Node the machine has: only npm and make are needed.
 export PATH := $(CURDIR)/node_modules/.bin:$(PATH)
 
-.PHONY: run test typecheck install clean
+.PHONY: run test test-faults typecheck install clean
 
 ## make run: the gateway on DATABASE_URL, or on an embedded Postgres under .data/ when unset
 run: install
@@ -11,6 +11,10 @@ run: install
 ## make test: type-check, then the test suite against real Postgres (embedded when DATABASE_URL is unset)
 test: install typecheck
 	npm test
+
+## make test-faults: only the fault suite (real processes killed, Postgres stopped, chaos upstream); part of make test too
+test-faults: install
+	npm test -- test/faults
 
 typecheck: install
 	npm run typecheck
