@@ -1,0 +1,129 @@
+// Fault 1: the worker process is killed with SIGKILL in the middle of its attempts, with 500
+// requests in flight, and started again. Every request must end, each attempted again within
+// 30 s of the kill, the lost attempts recorded as worker_lost, and none run once it has ended.
+import t from 'tap';
+import { call, inBatches, spread, tally } from './support/client.ts';
+import { faultContext } from './support/context.ts';
+import { sleep, waitFor } from './support/processes.ts';
+import { countWhere, lifecycleProblems, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
+import { privateContent } from './support/run.ts';
+
+const REQUESTS = 500;
+const MAX_ATTEMPTS = 5;
+const RECOVERY_BOUND_MS = 30_000;
+
+t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt and restarted: all end, each recovered within 30 s, none run after it ended', async (t) => {
+  const faults = await faultContext(t, '1-worker-killed');
+  const env = {
+    WORKER_CONCURRENCY: '100',
+    WORKER_POOL_SIZE: '10',
+    MAX_ATTEMPTS: String(MAX_ATTEMPTS),
+    WORKER_DEAD_AFTER_MS: '10000',
+    // The simulated calls take 3 s; only the kill may end them.
+    UPSTREAM_TIMEOUT_MS: '10000',
+  };
+  const api = await faults.start('api', { env });
+  const key = await faults.createKey({ project: 'faults-worker-killed', mode: 'test' });
+
+  // Every request is accepted before any worker runs: all 500 are in flight at the kill.
+  const accepted = await inBatches(Array.from({ length: REQUESTS }, (_, i) => i), 25, (i) =>
+    call(api.url!, {
+      path: '/v1/chat/completions',
+      key,
+      body: { model: 'test-delay-3000', messages: [{ role: 'user', content: privateContent(`scenario 1 request ${i}`) }] },
+    }),
+  );
+  t.same(tally(accepted.map((answer) => answer.status)), `202: ${REQUESTS}`, 'all 500 acknowledged');
+  const ids = accepted.map((answer) => answer.body.id as string);
+
+  const worker = await faults.start('worker', { env });
+  const busy = await waitFor(async () => (await countWhere(faults.pool, `status = 'processing'`)) >= 80, 30_000);
+  t.ok(busy, 'the worker has at least 80 attempts under way');
+  await sleep(300);
+
+  const killedAt = Date.now();
+  const exit = await worker.kill('SIGKILL');
+  t.equal(exit?.signal, 'SIGKILL', 'the worker died of SIGKILL');
+  // Statements the dead process had already sent may still commit; let them.
+  await sleep(500);
+  const { rows: lost } = await faults.pool.query<{ request_id: string; attempt_number: number; worker_id: string }>(
+    `select request_id, attempt_number, worker_id from gateway.request_attempts where outcome = 'running'`,
+  );
+  const terminalAtKill = await countWhere(faults.pool, `status in ('completed', 'failed')`);
+  const deadWorkers = new Set(lost.map((attempt) => attempt.worker_id));
+  t.ok(lost.length > 0, 'attempts were under way when the worker died');
+  t.comment(`killed the worker with ${lost.length} attempts under way; ${terminalAtKill} of ${REQUESTS} requests had ended before the kill`);
+
+  await faults.start('worker', { label: 'worker-restarted', env });
+  const outcome = await waitUntilTerminal(faults.pool, ids, 60_000);
+  const allEndedAfterMs = Date.now() - killedAt;
+  t.ok(outcome.done, `all 500 requests ended (left: ${outcome.left}, by status: ${JSON.stringify(outcome.byStatus)})`);
+  t.comment(`all ended ${allEndedAfterMs} ms after the kill (or gave up waiting, with ${outcome.left} left)`);
+
+  // Time for a stray job to run a request again, were there one.
+  await sleep(2_000);
+  const requests = await requestsWithAttempts(faults.pool, ids);
+  t.equal(requests.length, REQUESTS, 'every acknowledged id is stored');
+
+  const problems = requests.flatMap((request) =>
+    lifecycleProblems(request, MAX_ATTEMPTS).map((problem) => `${request.id}: ${problem}`),
+  );
+  t.same(problems.slice(0, 20), [], 'every request completed or failed by the rules: attempts counted, one success per completion, none started after it ended');
+  t.same(tally(requests.map((request) => request.status)), `completed: ${REQUESTS}`, 'all completed');
+
+  const lostNow = lost.map((attempt) => {
+    const request = requests.find((row) => row.id === attempt.request_id);
+    return { attempt, row: request?.attempt_rows.find((row) => row.attempt_number === attempt.attempt_number), request };
+  });
+  t.same(
+    lostNow.filter(({ row }) => row?.outcome !== 'failed' || row.error_code !== 'worker_lost').map(({ attempt, row }) => ({
+      request: attempt.request_id,
+      attempt: attempt.attempt_number,
+      outcome: row?.outcome,
+      error_code: row?.error_code,
+    })).slice(0, 20),
+    [],
+    `each of the ${lost.length} lost attempts is recorded as failed with worker_lost`,
+  );
+  t.same(
+    lostNow.filter(({ attempt, request }) => (request?.attempts ?? 0) <= attempt.attempt_number).map(({ attempt }) => attempt.request_id).slice(0, 20),
+    [],
+    'and each was followed by another attempt',
+  );
+
+  // Recovery: how long after the kill each request's next attempt started, on a live worker.
+  const recovery: number[] = [];
+  const unrecovered: string[] = [];
+  for (const request of requests) {
+    if (request.finished_at && request.finished_at.getTime() <= killedAt) continue;
+    const next = request.attempt_rows.find(
+      (attempt) => attempt.started_at.getTime() >= killedAt && !deadWorkers.has(attempt.worker_id ?? ''),
+    );
+    if (next) recovery.push(next.started_at.getTime() - killedAt);
+    else unrecovered.push(request.id);
+  }
+  const lostRecovery = lost.flatMap((attempt) => {
+    const request = requests.find((row) => row.id === attempt.request_id);
+    const next = request?.attempt_rows.find((row) => row.attempt_number === attempt.attempt_number + 1);
+    return next ? [next.started_at.getTime() - killedAt] : [];
+  });
+  t.same(unrecovered.slice(0, 20), [], 'every request in flight at the kill was attempted again');
+  t.same(recovery.filter((ms) => ms > RECOVERY_BOUND_MS), [], 'each within 30 s of the kill');
+  t.comment(`next attempt after the kill, all ${recovery.length} requests in flight: ${spread(recovery)}`);
+  t.comment(`next attempt after the kill, the ${lost.length} whose attempt was lost: ${spread(lostRecovery)}`);
+  t.comment(`attempts per request: ${tally(requests.map((request) => request.attempts))}; last_error_code: ${tally(requests.map((request) => request.last_error_code ?? 'null'))}`);
+
+  const { rows: jobs } = await faults.pool.query<{ count: number }>(
+    `select count(*)::int as count from graphile_worker._private_jobs as jobs
+     join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id where tasks.identifier = 'process_request'`,
+  );
+  t.equal(jobs[0]?.count, 0, 'no process_request job is left behind, locked or not');
+
+  const again = await requestsWithAttempts(faults.pool, ids);
+  const attemptsBefore = new Map(requests.map((request) => [request.id, request.attempt_rows.length]));
+  t.same(
+    again.filter((request) => request.attempt_rows.length !== attemptsBefore.get(request.id)).map((request) => request.id),
+    [],
+    'no ended request was attempted again',
+  );
+});

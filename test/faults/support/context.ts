@@ -1,0 +1,116 @@
+// One fault scenario's world: a database of its own (a clone of the run's template, or one the
+// scenario brings, such as its own embedded Postgres), a pool for reading rows, keys whose
+// secrets are recorded for the log search, and the gateway processes it starts. At teardown
+// the processes are killed first, then the pool is closed and the database dropped.
+import { randomBytes } from 'node:crypto';
+import type pg from 'pg';
+import { createDb, createPool, type Db } from '../../../src/db/pool.ts';
+import type { KeyMode } from '../../../src/ids.ts';
+import { createKey, type CreatedKey } from '../../../src/keys/service.ts';
+import { createLogger } from '../../../src/logger.ts';
+import type { Role } from '../../../src/main.ts';
+import { createTestDatabase } from '../../helpers/database.ts';
+import { freePort, GatewayProcess } from './processes.ts';
+import { logFile, recordSecret, UPSTREAM_API_KEY } from './run.ts';
+
+interface Teardown {
+  teardown(fn: () => Promise<void> | void): void;
+}
+
+/** Settings every process of the suite starts with; scenarios override what they need. */
+export const FAULT_SETTINGS: Record<string, string> = {
+  HOST: '127.0.0.1',
+  LOG_LEVEL: 'info',
+  WAIT_TIMEOUT_MS: '10000',
+  // Nothing may reach a real provider: live keys call a loopback server or nothing at all.
+  UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1',
+  UPSTREAM_API_KEY,
+  UPSTREAM_TIMEOUT_MS: '2000',
+  MAX_ATTEMPTS: '5',
+  RETRY_BASE_MS: '10',
+  RETRY_MAX_MS: '100',
+  WORKER_POLL_INTERVAL_MS: '100',
+  WORKER_CONCURRENCY: '32',
+  // A dead worker's jobs are released well inside the 30 s the issue allows.
+  WORKER_DEAD_AFTER_MS: '10000',
+  SHUTDOWN_GRACE_MS: '2000',
+  DATABASE_POOL_SIZE: '8',
+  WORKER_POOL_SIZE: '8',
+};
+
+export interface FaultContext {
+  scenario: string;
+  databaseUrl: string;
+  /** SECRET_ENCRYPTION_KEY of every process of the scenario. */
+  encryptionKey: Buffer;
+  /** The test's own pool and kysely instance, for reading and arranging rows. */
+  pool: pg.Pool;
+  db: Db;
+  createKey(options: { project: string; mode: KeyMode }): Promise<CreatedKey>;
+  /** A gateway process with the suite's settings plus `env`; not started yet. */
+  process(role: Role, options?: { label?: string; env?: Record<string, string> }): Promise<GatewayProcess>;
+  /** The same, started. */
+  start(role: Role, options?: { label?: string; env?: Record<string, string> }): Promise<GatewayProcess>;
+}
+
+export async function faultContext(
+  t: Teardown,
+  scenario: string,
+  options: { databaseUrl?: string } = {},
+): Promise<FaultContext> {
+  const cleanups: (() => Promise<void> | void)[] = [];
+  const databaseUrl =
+    options.databaseUrl ?? (await createTestDatabase({ teardown: (fn) => cleanups.push(fn) }));
+  const encryptionKey = randomBytes(32);
+  const logger = createLogger({ logLevel: 'warn' }, process.stderr);
+  const pool = createPool(databaseUrl, { max: 4, applicationName: `faults-${scenario}`, logger });
+  const db = createDb(pool);
+  const processes: GatewayProcess[] = [];
+
+  t.teardown(async () => {
+    await Promise.all(processes.map((gateway) => gateway.destroy()));
+    await pool.end();
+    for (const cleanup of cleanups) await cleanup();
+  });
+
+  const make = async (role: Role, processOptions: { label?: string; env?: Record<string, string> } = {}) => {
+    const label = processOptions.label ?? role;
+    if (processes.some((existing) => existing.label === label)) throw new Error(`two processes named ${label}`);
+    const gateway = new GatewayProcess({
+      label,
+      role,
+      logFile: logFile(scenario, label),
+      env: {
+        PATH: process.env.PATH ?? '',
+        ...(process.env.HOME ? { HOME: process.env.HOME } : {}),
+        ...FAULT_SETTINGS,
+        PORT: role === 'worker' ? '0' : String(await freePort()),
+        ...processOptions.env,
+        DATABASE_URL: databaseUrl,
+        SECRET_ENCRYPTION_KEY: encryptionKey.toString('base64'),
+      },
+    });
+    processes.push(gateway);
+    return gateway;
+  };
+
+  return {
+    scenario,
+    databaseUrl,
+    encryptionKey,
+    pool,
+    db,
+    async createKey(keyOptions) {
+      const key = await createKey(db, encryptionKey, keyOptions);
+      recordSecret(scenario, 'api_key', key.api_key);
+      recordSecret(scenario, 'signing_secret', key.signing_secret);
+      return key;
+    },
+    process: make,
+    async start(role, processOptions) {
+      const gateway = await make(role, processOptions);
+      await gateway.start();
+      return gateway;
+    },
+  };
+}

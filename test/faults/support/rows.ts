@@ -1,0 +1,98 @@
+// Reading many requests and their attempts at once, and waiting for them to end.
+import type pg from 'pg';
+import { sleep } from './processes.ts';
+
+export interface AttemptRow {
+  attempt_number: number;
+  started_at: Date;
+  finished_at: Date | null;
+  outcome: 'running' | 'succeeded' | 'failed';
+  upstream_status: number | null;
+  error_code: string | null;
+  worker_id: string | null;
+}
+
+export interface RequestWithAttempts {
+  id: string;
+  status: string;
+  attempts: number;
+  last_error_code: string | null;
+  created_at: Date;
+  finished_at: Date | null;
+  idempotency_key: string | null;
+  result: any;
+  /** By attempt_number. */
+  attempt_rows: AttemptRow[];
+}
+
+/** The requests with these ids (all of them when `ids` is undefined), each with its attempts. */
+export async function requestsWithAttempts(pool: pg.Pool, ids?: string[]): Promise<RequestWithAttempts[]> {
+  const { rows } = await pool.query<Omit<RequestWithAttempts, 'attempt_rows'> & { attempt_rows: any[] }>(
+    `select r.id, r.status, r.attempts, r.last_error_code, r.created_at, r.finished_at, r.idempotency_key, r.result,
+            coalesce((select json_agg(a order by a.attempt_number)
+                      from (select attempt_number, started_at, finished_at, outcome, upstream_status, error_code, worker_id
+                            from gateway.request_attempts where request_id = r.id) as a), '[]') as attempt_rows
+     from gateway.requests as r
+     where $1::text[] is null or r.id = any($1::text[])`,
+    [ids ?? null],
+  );
+  return rows.map((row) => ({
+    ...row,
+    attempt_rows: row.attempt_rows.map((attempt) => ({
+      ...attempt,
+      started_at: new Date(attempt.started_at),
+      finished_at: attempt.finished_at === null ? null : new Date(attempt.finished_at),
+    })),
+  }));
+}
+
+/** How many requests satisfy the SQL condition (written by the test itself, never from input). */
+export async function countWhere(pool: pg.Pool, condition: string): Promise<number> {
+  const { rows } = await pool.query<{ count: number }>(`select count(*)::int as count from gateway.requests where ${condition}`);
+  return rows[0]?.count ?? 0;
+}
+
+/** Polls until every one of `ids` is completed or failed; reports how long it took, or how many were left. */
+export async function waitUntilTerminal(
+  pool: pg.Pool,
+  ids: string[],
+  timeoutMs: number,
+): Promise<{ done: boolean; left: number; byStatus: Record<string, number> }> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const { rows } = await pool.query<{ status: string; count: number }>(
+      `select status, count(*)::int as count from gateway.requests where id = any($1::text[]) group by status`,
+      [ids],
+    );
+    const byStatus = Object.fromEntries(rows.map((row) => [row.status, row.count]));
+    const terminal = (byStatus.completed ?? 0) + (byStatus.failed ?? 0);
+    const left = ids.length - terminal;
+    if (left === 0 || Date.now() > deadline) return { done: left === 0, left, byStatus };
+    await sleep(200);
+  }
+}
+
+/** Problems of a terminal request's attempt rows with the lifecycle rules of CONTRACT.md section 1. */
+export function lifecycleProblems(request: RequestWithAttempts, maxAttempts: number): string[] {
+  const problems: string[] = [];
+  const attempts = request.attempt_rows;
+  if (request.status !== 'completed' && request.status !== 'failed') problems.push(`status ${request.status}, not terminal`);
+  if (request.attempts > maxAttempts) problems.push(`${request.attempts} attempts, more than MAX_ATTEMPTS ${maxAttempts}`);
+  if (attempts.length !== request.attempts) problems.push(`attempts ${request.attempts} but ${attempts.length} attempt rows`);
+  attempts.forEach((attempt, index) => {
+    if (attempt.attempt_number !== index + 1) problems.push(`attempt rows numbered ${attempts.map((a) => a.attempt_number).join(',')}`);
+    if (attempt.outcome === 'running') problems.push(`attempt ${attempt.attempt_number} still running`);
+    if (request.finished_at && attempt.started_at > request.finished_at) {
+      problems.push(`attempt ${attempt.attempt_number} started at ${attempt.started_at.toISOString()}, after the request finished at ${request.finished_at.toISOString()}`);
+    }
+  });
+  const succeeded = attempts.filter((attempt) => attempt.outcome === 'succeeded').length;
+  if (request.status === 'completed' && succeeded !== 1) problems.push(`completed with ${succeeded} succeeded attempts`);
+  if (request.status === 'failed' && succeeded !== 0) problems.push(`failed with ${succeeded} succeeded attempts`);
+  if (request.status === 'completed' && attempts.at(-1)?.outcome !== 'succeeded') problems.push('completed, but its last attempt did not succeed');
+  const lastFailure = attempts.filter((attempt) => attempt.outcome === 'failed').at(-1);
+  if ((lastFailure?.error_code ?? null) !== request.last_error_code) {
+    problems.push(`last_error_code ${request.last_error_code}, but the last failed attempt says ${lastFailure?.error_code ?? null}`);
+  }
+  return problems;
+}

@@ -1,0 +1,64 @@
+// What the fault suite's files share across one `npm test` run. Each scenario file runs in a
+// process of its own, so this lives on disk, in a directory named after the run's template
+// database (scripts/test.ts makes one per run): the log of every process a scenario starts,
+// and every secret and message content it used, so that the last scenario can search all the
+// logs of the run for all of them.
+import { appendFileSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { randomBase62 } from '../../../src/ids.ts';
+
+/** Sent upstream by every process of the suite (UPSTREAM_API_KEY); it must never be logged. */
+export const UPSTREAM_API_KEY = 'sk-faults-upstream-key-9c4f1e27b83d';
+
+/** Every message content the suite sends contains this, so a leak into a log is easy to find. */
+export const CONTENT_MARKER = 'faults-private-content';
+
+export type SecretKind = 'api_key' | 'signing_secret' | 'upstream_api_key' | 'content';
+
+export interface RecordedSecret {
+  kind: SecretKind;
+  value: string;
+  scenario: string;
+}
+
+export function runDirectory(): string {
+  const run = process.env.GATEWAY_TEST_TEMPLATE ?? `standalone-${process.pid}`;
+  const directory = path.join(os.tmpdir(), `gateway-faults-${run}`);
+  mkdirSync(directory, { recursive: true });
+  return directory;
+}
+
+/** A recognisable message content: `faults-private-content <label> <random>`. */
+export function privateContent(label: string): string {
+  return `${CONTENT_MARKER} ${label} ${randomBase62(10)}`;
+}
+
+export function recordSecret(scenario: string, kind: SecretKind, value: string): void {
+  appendFileSync(path.join(runDirectory(), 'secrets.jsonl'), `${JSON.stringify({ kind, value, scenario })}\n`);
+}
+
+export function recordedSecrets(): RecordedSecret[] {
+  const file = path.join(runDirectory(), 'secrets.jsonl');
+  if (!existsSync(file)) return [];
+  return readFileSync(file, 'utf8')
+    .split('\n')
+    .filter(Boolean)
+    .map((line) => JSON.parse(line) as RecordedSecret);
+}
+
+/** Where a process's log is kept: `<scenario>.<label>.log` in the run directory. */
+export function logFile(scenario: string, label: string): string {
+  return path.join(runDirectory(), `${scenario}.${label}.log`);
+}
+
+export function logFiles(): string[] {
+  return readdirSync(runDirectory())
+    .filter((name) => name.endsWith('.log'))
+    .sort()
+    .map((name) => path.join(runDirectory(), name));
+}
+
+export function removeRunDirectory(): void {
+  rmSync(runDirectory(), { recursive: true, force: true });
+}
