@@ -55,6 +55,8 @@ const Environment = v.object({
 
   WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 32, 1, 10_000),
   WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10),
+  WORKER_DEAD_AFTER_MS: integer('WORKER_DEAD_AFTER_MS', 15_000, 500),
+  SHUTDOWN_GRACE_MS: integer('SHUTDOWN_GRACE_MS', 10_000, 0),
   DATABASE_POOL_SIZE: integer('DATABASE_POOL_SIZE', 10, 2, 1_000),
   WORKER_POOL_SIZE: integer('WORKER_POOL_SIZE', 10, 3, 1_000),
 
@@ -91,6 +93,10 @@ export interface Config {
 
   readonly workerConcurrency: number;
   readonly workerPollIntervalMs: number;
+  /** A worker pool not heard from for this long is presumed dead and its jobs released. */
+  readonly workerDeadAfterMs: number;
+  /** On shutdown, how long running attempts may take before they are aborted and handed back. */
+  readonly shutdownGraceMs: number;
   readonly databasePoolSize: number;
   readonly workerPoolSize: number;
 
@@ -133,6 +139,8 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     retryMaxMs: Math.max(e.RETRY_MAX_MS, e.RETRY_BASE_MS),
     workerConcurrency: e.WORKER_CONCURRENCY,
     workerPollIntervalMs: e.WORKER_POLL_INTERVAL_MS,
+    workerDeadAfterMs: e.WORKER_DEAD_AFTER_MS,
+    shutdownGraceMs: e.SHUTDOWN_GRACE_MS,
     databasePoolSize: e.DATABASE_POOL_SIZE,
     workerPoolSize: e.WORKER_POOL_SIZE,
     client: Object.freeze({

@@ -3,7 +3,6 @@
 // let running attempts finish, then close the pools.
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
-import type { Runner } from 'graphile-worker';
 import type pg from 'pg';
 import { ConfigError, type Config } from './config.ts';
 import { schemaVersion } from './db/migrate.ts';
@@ -11,7 +10,7 @@ import { createDb, createPool } from './db/pool.ts';
 import { createApp } from './http/app.ts';
 import type { Logger } from './logger.ts';
 import { Waiters } from './requests/waiters.ts';
-import { startWorker } from './worker/runner.ts';
+import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 
 export type Role = 'all' | 'api' | 'worker';
 
@@ -40,7 +39,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   let workerPool: pg.Pool | undefined;
   let waiters: Waiters | undefined;
   let server: http.Server | undefined;
-  let runner: Runner | undefined;
+  let worker: WorkerService | undefined;
 
   const stop = async () => {
     if (server) {
@@ -51,7 +50,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       await closed;
     }
     await waiters?.close();
-    await runner?.stop();
+    await worker?.stop();
     await workerPool?.end();
     await apiPool?.end();
   };
@@ -69,7 +68,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
       if (role === 'worker') await assertSchemaCurrent(workerPool);
       const local = waiters;
-      runner = await startWorker({
+      worker = await startWorkerService({
         config,
         pool: workerPool,
         db: createDb(workerPool),

@@ -1,5 +1,6 @@
 // SIGINT/SIGTERM start an orderly shutdown and exit 0 when it is done; a second signal exits
 // at once.
+import { errorSummary } from './db/pool.ts';
 import type { Logger } from './logger.ts';
 
 export function stopOnSignals(stop: () => Promise<void>, logger: Logger): void {
@@ -17,7 +18,7 @@ export function stopOnSignals(stop: () => Promise<void>, logger: Logger): void {
         process.exit(0);
       },
       (error: unknown) => {
-        logger.error({ err: error }, 'shutdown failed');
+        logger.error({ err: { ...errorSummary(error), stack: (error as Error)?.stack } }, 'shutdown failed');
         process.exit(1);
       },
     );

@@ -16,6 +16,7 @@ export interface Database {
   requests: RequestsTable;
   request_attempts: RequestAttemptsTable;
   signature_nonces: SignatureNoncesTable;
+  worker_pools: WorkerPoolsTable;
 }
 
 export interface MigrationsTable {
@@ -78,4 +79,12 @@ export interface SignatureNoncesTable {
   api_key_id: string;
   nonce: string;
   expires_at: Date;
+}
+
+export interface WorkerPoolsTable {
+  id: string;
+  hostname: string;
+  pid: number;
+  started_at: CreatedAt;
+  last_seen_at: Timestamp;
 }

@@ -25,7 +25,8 @@ function toApiError(error: unknown, logger: Logger, method: string, path: string
     logger.warn({ method, path, err: errorSummary(error) }, 'database unavailable');
     return serviceUnavailable();
   }
-  // The stack goes to the log; the client learns only that it was our fault.
-  logger.error({ method, path, err: error }, 'unhandled error');
+  // The stack goes to the log; the client learns only that it was our fault. Only the error's
+  // name, code, message and stack are logged: a Postgres error's detail can quote row values.
+  logger.error({ method, path, err: { ...errorSummary(error), stack: (error as Error)?.stack } }, 'unhandled error');
   return internalError();
 }

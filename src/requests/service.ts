@@ -2,7 +2,7 @@
 // Auth and a validated Submission, and shape the answer themselves.
 import type { Config } from '../config.ts';
 import { TERMINAL_STATUSES, type RequestStatus } from '../db/database.ts';
-import type { Db } from '../db/pool.ts';
+import { isDatabaseUnavailable, type Db } from '../db/pool.ts';
 import { idempotencyKeyReused, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce } from '../keys/repository.ts';
@@ -122,7 +122,13 @@ async function waitForTerminal(
     if (remaining <= 0) break;
     const event = await watch.next(remaining, signal);
     if (event === 'aborted') break;
-    current = (await repository.findAnswer(deps.db, watch.id)) ?? current;
+    try {
+      current = (await repository.findAnswer(deps.db, watch.id)) ?? current;
+    } catch (error) {
+      // The request is committed and its id is ours to give: a database outage during the
+      // wait must not turn that into an error. Keep polling; at worst answer what we know.
+      if (!isDatabaseUnavailable(error)) throw error;
+    }
     if (event !== 'changed') break;
   }
   return current;

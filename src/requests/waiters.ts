@@ -12,7 +12,7 @@ import type { Logger } from '../logger.ts';
 export const FINISHED_CHANNEL = 'gateway_requests_finished';
 const POLL_WHILE_DISCONNECTED_MS = 500;
 const RECONNECT_MIN_MS = 100;
-const RECONNECT_MAX_MS = 5_000;
+const RECONNECT_MAX_MS = 1_000;
 
 /** changed: read the row again. timeout: the time given is over. aborted: the caller gave up. closed: shutting down. */
 export type WatchEvent = 'changed' | 'timeout' | 'aborted' | 'closed';

@@ -3,11 +3,14 @@
 //   simulator with no database connection held, then record the outcome in one statement:
 //   completed, failed, or retrying with the next attempt's job added in the same statement.
 // A job whose attempt was already started is one whose worker died mid-attempt (its lock was
-// released by the dead-worker sweep): that attempt is recorded as worker_lost and retried.
+// released by the dead-worker sweep): that attempt is recorded as worker_lost and retried. So is
+// an attempt cut short by a shutdown after SHUTDOWN_GRACE_MS. Every statement rides out a short
+// database outage, so an answer already paid for is not thrown away.
 import type { JobHelpers, Task } from 'graphile-worker';
 import * as v from 'valibot';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
+import { whileUnavailable } from '../db/retry.ts';
 import type { Logger } from '../logger.ts';
 import { ProcessRequestPayload } from '../requests/jobs.ts';
 import * as repository from '../requests/repository.ts';
@@ -28,8 +31,16 @@ export interface ProcessRequestDeps {
   onFinished?: (id: string) => void;
 }
 
+// How long a statement is retried while the database is unreachable.
+const OUTAGE_PATIENCE_MS = 60_000;
+
 export function processRequestTask(deps: ProcessRequestDeps): Task {
   const log = deps.logger.child({ component: 'worker' });
+  const db = <T>(statement: () => Promise<T>) =>
+    whileUnavailable(statement, {
+      maxWaitMs: OUTAGE_PATIENCE_MS,
+      onRetry: (error, delayMs) => log.warn({ err: errorSummary(error), delayMs }, 'database unreachable; retrying'),
+    });
 
   return async (rawPayload, helpers) => {
     const parsed = v.safeParse(ProcessRequestPayload, rawPayload);
@@ -41,15 +52,24 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
     const { request_id: id, attempt } = parsed.output;
     const workerId = helpers.job.locked_by;
 
-    const claimed = await repository.claimAttempt(deps.db, id, attempt, workerId);
+    if (helpers.abortSignal.aborted) throw new Error('shutting down: attempt not started');
+    const claimed = await db(() => repository.claimAttempt(deps.db, id, attempt, workerId));
     if (!claimed) {
       await recoverLostAttempt(id, attempt);
       return;
     }
 
     const started = performance.now();
-    const outcome = await callUpstream(claimed, helpers);
+    let outcome = await callUpstream(claimed, helpers);
     const durationMs = Math.round(performance.now() - started);
+    if (!outcome.ok && helpers.abortSignal.aborted) {
+      outcome = {
+        ok: false,
+        code: 'worker_lost',
+        detail: 'the worker shut down before the upstream answered',
+        upstreamStatus: null,
+      };
+    }
     await record(id, attempt, outcome, durationMs);
   };
 
@@ -70,10 +90,12 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
 
   async function record(id: string, attempt: number, outcome: AttemptOutcome, durationMs: number): Promise<void> {
     if (outcome.ok) {
-      const done = await repository.completeAttempt(deps.db, id, attempt, outcome.result, {
-        upstreamStatus: outcome.upstreamStatus,
-        durationMs,
-      });
+      const done = await db(() =>
+        repository.completeAttempt(deps.db, id, attempt, outcome.result, {
+          upstreamStatus: outcome.upstreamStatus,
+          durationMs,
+        }),
+      );
       if (done) finished(id);
       log.debug({ requestId: id, attempt, durationMs, stale: !done }, 'attempt succeeded');
       return;
@@ -91,17 +113,17 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
     const retryable = ATTEMPT_ERRORS[failure.code as keyof typeof ATTEMPT_ERRORS]?.retryable ?? false;
     if (retryable && attempt < deps.config.maxAttempts) {
       const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, attempt, retryAfterMs);
-      const scheduled = await repository.retryAttempt(deps.db, id, attempt, failure, delayMs);
+      const scheduled = await db(() => repository.retryAttempt(deps.db, id, attempt, failure, delayMs));
       log.info({ requestId: id, attempt, code: failure.code, delayMs, stale: !scheduled }, 'attempt failed; retry scheduled');
     } else {
-      const failed = await repository.failAttempt(deps.db, id, attempt, failure);
+      const failed = await db(() => repository.failAttempt(deps.db, id, attempt, failure));
       if (failed) finished(id);
       log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
     }
   }
 
   async function recoverLostAttempt(id: string, attempt: number): Promise<void> {
-    const progress = await repository.findProgress(deps.db, id);
+    const progress = await db(() => repository.findProgress(deps.db, id));
     // Terminal, already past this attempt, or gone: this job has nothing left to do.
     if (progress?.status !== 'processing' || progress.attempts !== attempt) return;
     log.warn({ requestId: id, attempt }, 'attempt lost with its worker; recording it and retrying');

@@ -1,6 +1,6 @@
 // The worker role: a graphile-worker pool running process_request jobs, and the periodic
 // cleanup tasks (graphile-worker's cron: each runs once per period across all workers).
-import { run, type Runner } from 'graphile-worker';
+import type { RunnerOptions } from 'graphile-worker';
 import type pg from 'pg';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
@@ -18,12 +18,23 @@ export interface WorkerDeps {
   onFinished?: ProcessRequestDeps['onFinished'];
 }
 
-export async function startWorker(deps: WorkerDeps): Promise<Runner> {
-  return run({
+/** graphile-worker's options for our task list (supervisor.ts runs and restarts it). */
+export function runnerOptions(deps: WorkerDeps): RunnerOptions {
+  return {
     pgPool: deps.pool,
     concurrency: deps.config.workerConcurrency,
     pollInterval: deps.config.workerPollIntervalMs,
     noHandleSignals: true,
+    gracefulShutdownAbortTimeout: deps.config.shutdownGraceMs,
+    preset: {
+      worker: {
+        // Jobs' ends are recorded in batches. Besides saving round trips, this is what makes a
+        // failure to record them (Postgres down) stop the pool cleanly, for the supervisor to
+        // replace; unbatched, graphile-worker leaves that failure as an unhandled rejection.
+        completeJobBatchDelay: 0,
+        failJobBatchDelay: 0,
+      },
+    },
     logger: graphileLogger(deps.logger),
     crontab: `*/5 * * * * ${CLEANUP_NONCES}`,
     taskList: {
@@ -35,5 +46,5 @@ export async function startWorker(deps: WorkerDeps): Promise<Runner> {
       }),
       [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
     },
-  });
+  };
 }

@@ -1,0 +1,150 @@
+// Keeps a worker process working through crashes and outages:
+// - runs the graphile-worker pool, and starts a new one if it stops on its own (graphile-worker
+//   stops a pool that cannot record a job's end, as happens while Postgres is down);
+// - writes a heartbeat for its pool in gateway.worker_pools;
+// - sweeps: a pool not heard from for WORKER_DEAD_AFTER_MS is presumed dead, and its jobs are
+//   released with graphile_worker.force_unlock_workers, so they run again on a live worker
+//   (where the lost attempt is recorded as worker_lost) instead of after graphile-worker's 4 h.
+import { EventEmitter } from 'node:events';
+import { hostname } from 'node:os';
+import { sql } from 'kysely';
+import { run, type Runner, type WorkerEvents } from 'graphile-worker';
+import type { Db } from '../db/pool.ts';
+import { errorSummary } from '../db/pool.ts';
+import type { WorkerDeps } from './runner.ts';
+import { runnerOptions } from './runner.ts';
+
+const RESTART_MIN_MS = 250;
+const RESTART_MAX_MS = 2_000;
+// A pool that ran this long before stopping was healthy: the next restart is quick again.
+const HEALTHY_AFTER_MS = 30_000;
+
+export interface WorkerService {
+  stop(): Promise<void>;
+}
+
+export async function startWorkerService(deps: WorkerDeps): Promise<WorkerService> {
+  const log = deps.logger.child({ component: 'supervisor' });
+  const deadAfterMs = deps.config.workerDeadAfterMs;
+  // Several beats and sweeps per period, so a dead pool is found within about 1.2 periods.
+  const beatMs = Math.max(100, Math.floor(deadAfterMs / 5));
+
+  let stopping = false;
+  let current: { runner: Runner; poolId: string; startedAt: number } | undefined;
+  let restartDelay = RESTART_MIN_MS;
+  let restartTimer: NodeJS.Timeout | undefined;
+
+  const launch = async (): Promise<void> => {
+    const events: WorkerEvents = new EventEmitter();
+    let poolId: string | undefined;
+    events.on('pool:create', ({ workerPool }) => {
+      poolId = workerPool.id;
+    });
+    const runner = await run({ ...runnerOptions(deps), events });
+    if (!poolId) throw new Error('graphile-worker started without announcing its pool');
+    current = { runner, poolId, startedAt: Date.now() };
+    await beat(deps.db, poolId).catch((error) => log.warn({ err: errorSummary(error) }, 'first heartbeat failed'));
+    log.info({ poolId }, 'worker pool started');
+    runner.promise.then(
+      () => died(runner, poolId!),
+      (error: unknown) => died(runner, poolId!, error),
+    );
+  };
+
+  const died = (runner: Runner, poolId: string, error?: unknown) => {
+    if (stopping || current?.runner !== runner) return;
+    if (Date.now() - current.startedAt > HEALTHY_AFTER_MS) restartDelay = RESTART_MIN_MS;
+    current = undefined;
+    log.error({ poolId, err: error && errorSummary(error) }, 'worker pool stopped on its own; starting a new one');
+    // Its jobs are ours to release at once: we know this pool is gone.
+    release(deps.db, [poolId]).catch(() => {
+      // The database is likely down; the sweep will release them once the heartbeat is stale.
+    });
+    scheduleRestart();
+  };
+
+  const scheduleRestart = () => {
+    if (stopping) return;
+    const delay = restartDelay;
+    restartDelay = Math.min(restartDelay * 2, RESTART_MAX_MS);
+    restartTimer = setTimeout(() => {
+      launch().catch((error: unknown) => {
+        log.warn({ err: errorSummary(error), retryInMs: restartDelay }, 'worker pool could not start');
+        scheduleRestart();
+      });
+    }, delay);
+  };
+
+  const heartbeat = setInterval(() => {
+    if (current) beat(deps.db, current.poolId).catch((error) => log.debug({ err: errorSummary(error) }, 'heartbeat failed'));
+  }, beatMs);
+  const sweeper = setInterval(() => {
+    sweep(deps.db, deadAfterMs).then(
+      (released) => {
+        if (released.length > 0) log.warn({ pools: released }, 'released the jobs of dead worker pools');
+      },
+      (error) => log.debug({ err: errorSummary(error) }, 'sweep failed'),
+    );
+  }, beatMs);
+
+  try {
+    await launch();
+  } catch (error) {
+    clearInterval(heartbeat);
+    clearInterval(sweeper);
+    throw error;
+  }
+
+  return {
+    async stop() {
+      stopping = true;
+      clearTimeout(restartTimer);
+      clearInterval(heartbeat);
+      clearInterval(sweeper);
+      if (!current) return;
+      const { runner, poolId } = current;
+      current = undefined;
+      // Graceful: running attempts get SHUTDOWN_GRACE_MS to finish, then are aborted and
+      // handed back (recorded as worker_lost and retried at once elsewhere).
+      await runner.stop();
+      await deps.db.deleteFrom('worker_pools').where('id', '=', poolId).execute().catch(() => {});
+    },
+  };
+}
+
+async function beat(db: Db, poolId: string): Promise<void> {
+  await sql`
+    insert into gateway.worker_pools (id, hostname, pid) values (${poolId}, ${hostname()}, ${process.pid})
+    on conflict (id) do update set last_seen_at = now()
+  `.execute(db);
+}
+
+/**
+ * Releases the jobs of pools presumed dead: those whose heartbeat is older than deadAfterMs,
+ * and any pool holding jobs for that long without ever having had a heartbeat row.
+ * Returns the pool ids released.
+ */
+export async function sweep(db: Db, deadAfterMs: number): Promise<string[]> {
+  const { rows } = await sql<{ ids: string[] }>`
+    with dead as (
+      delete from gateway.worker_pools
+      where last_seen_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
+      returning id
+    ), orphans as (
+      select distinct locked_by as id from graphile_worker.jobs
+      where locked_by is not null
+        and locked_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
+        and locked_by not in (select id from gateway.worker_pools)
+    ), released as (
+      select array(select id from dead union select id from orphans) as ids
+    )
+    select ids, graphile_worker.force_unlock_workers(ids) from released
+  `.execute(db);
+  return rows[0]?.ids ?? [];
+}
+
+async function release(db: Db, poolIds: string[]): Promise<void> {
+  await sql`select graphile_worker.force_unlock_workers(${poolIds}::text[])`.execute(db);
+  await db.deleteFrom('worker_pools').where('id', 'in', poolIds).execute();
+}
+
