@@ -3,10 +3,12 @@
 // let running attempts finish, then close the pools.
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
+import type { Duplex } from 'node:stream';
 import type pg from 'pg';
 import { ConfigError, type Config } from './config.ts';
 import { schemaVersion } from './db/migrate.ts';
 import { createDb, createPool } from './db/pool.ts';
+import { ApiError, invalidRequest } from './errors.ts';
 import { createApp } from './http/app.ts';
 import type { Logger } from './logger.ts';
 import { Waiters } from './requests/waiters.ts';
@@ -109,6 +111,7 @@ function listen(handler: http.RequestListener, config: Config): Promise<http.Ser
     handler,
   );
   server.maxHeadersCount = 100;
+  server.on('clientError', answerClientError);
   return new Promise((resolve, reject) => {
     server.once('error', reject);
     server.listen(config.port, config.host, () => {
@@ -116,6 +119,31 @@ function listen(handler: http.RequestListener, config: Config): Promise<http.Ser
       resolve(server);
     });
   });
+}
+
+/**
+ * Requests too broken to reach the app (unparseable HTTP, oversized headers) still get the
+ * contract's error shape; a client too slow to send its request just loses the connection.
+ */
+function answerClientError(error: Error & { code?: string }, socket: Duplex): void {
+  if (!socket.writable || error.code === 'ECONNRESET') {
+    socket.destroy();
+    return;
+  }
+  if (error.code === 'ERR_HTTP_REQUEST_TIMEOUT') {
+    socket.end();
+    return;
+  }
+  const apiError =
+    error.code === 'HPE_HEADER_OVERFLOW'
+      ? new ApiError(413, 'invalid_request_error', 'request_too_large', 'The request headers are too large.')
+      : invalidRequest('invalid_body', 'The request is not valid HTTP/1.1.');
+  const body = JSON.stringify(apiError.toBody());
+  socket.end(
+    `HTTP/1.1 ${apiError.status} ${http.STATUS_CODES[apiError.status]}\r\n` +
+      `content-type: application/json; charset=utf-8\r\ncontent-length: ${Buffer.byteLength(body)}\r\n` +
+      `connection: close\r\n\r\n${body}`,
+  );
 }
 
 /** Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are answered. */
