@@ -11,6 +11,8 @@ import { createDb, createPool } from './db/pool.ts';
 import { ApiError, invalidRequest } from './errors.ts';
 import { createApp } from './http/app.ts';
 import type { Logger } from './logger.ts';
+import { Listener } from './db/listener.ts';
+import { KeyCache } from './keys/cache.ts';
 import { Waiters } from './requests/waiters.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 
@@ -27,6 +29,7 @@ export interface Gateway {
   /** Base URL of the API when the role serves it, e.g. http://127.0.0.1:8080 */
   url: string | undefined;
   waiters: Waiters | undefined;
+  keys: KeyCache | undefined;
   stop(): Promise<void>;
 }
 
@@ -39,7 +42,9 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   }
   let apiPool: pg.Pool | undefined;
   let workerPool: pg.Pool | undefined;
+  let listener: Listener | undefined;
   let waiters: Waiters | undefined;
+  let keys: KeyCache | undefined;
   let server: http.Server | undefined;
   let worker: WorkerService | undefined;
 
@@ -48,10 +53,11 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       const closed = closeServer(server);
       // Waiting wait=true requests are answered now with their acknowledgement, rather than
       // holding the shutdown for up to WAIT_TIMEOUT_MS.
-      await waiters?.close();
+      waiters?.close();
       await closed;
     }
-    await waiters?.close();
+    waiters?.close();
+    await listener?.close();
     await worker?.stop();
     await workerPool?.end();
     await apiPool?.end();
@@ -61,9 +67,11 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     if (role !== 'worker') {
       apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
       await assertSchemaCurrent(apiPool);
-      waiters = new Waiters(databaseUrl, logger);
-      await waiters.start();
-      const app = createApp({ config, pool: apiPool, db: createDb(apiPool), waiters, logger });
+      listener = new Listener(databaseUrl, logger);
+      waiters = new Waiters(listener);
+      keys = new KeyCache(listener);
+      await listener.start();
+      const app = createApp({ config, pool: apiPool, db: createDb(apiPool), waiters, keys, logger });
       server = await listen(app.callback(), config);
     }
     if (role !== 'api') {
@@ -87,7 +95,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const address = server?.address() as AddressInfo | undefined;
   const url = address ? `http://${hostForUrl(address)}:${address.port}` : undefined;
   logger.info({ role, url }, 'gateway started');
-  return { url, waiters, stop };
+  return { url, waiters, keys, stop };
 }
 
 async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {

@@ -50,7 +50,13 @@ t.test('a revoked key authenticates nothing', async (t) => {
   const accepted = await client.post({ model: 'm', messages: userMessage() });
   t.equal(accepted.status, 202);
 
+  t.equal(gateway.keys!.size, 1, 'the key is cached');
   t.ok(await revokeKey(gateway.db, key.id));
+  // The revocation's NOTIFY reaches the API: the cached key is dropped.
+  for (let i = 0; gateway.keys!.size > 0; i++) {
+    if (i > 200) throw new Error('the revoked key stayed in the cache');
+    await new Promise((resolve) => setTimeout(resolve, 5));
+  }
   const refused = await client.post({ model: 'm', messages: userMessage() });
   t.equal(refused.status, 401);
   t.equal(refused.body.error.code, 'invalid_api_key');

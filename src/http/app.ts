@@ -7,6 +7,7 @@ import type pg from 'pg';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
 import { methodNotAllowed } from '../errors.ts';
+import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
 import type { Waiters } from '../requests/waiters.ts';
 import { authenticate } from './auth.ts';
@@ -23,6 +24,7 @@ export interface AppDeps {
   pool: pg.Pool;
   db: Db;
   waiters: Waiters;
+  keys: KeyCache;
   logger: Logger;
 }
 
@@ -30,18 +32,19 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
   const app = new Koa<GatewayState>();
   const router = new Router<GatewayState>();
   const requestDeps = { db: deps.db, waiters: deps.waiters, config: deps.config };
-  const signed = verifyRequestSignature(deps.config);
+  const signed = verifyRequestSignature(deps.config, deps.keys);
+  const authenticated = authenticate(deps.db, deps.keys);
 
   router.get('/healthz', healthz);
   router.get('/readyz', readyz(deps.pool));
   router.post(
     '/v1/chat/completions',
-    authenticate(deps.db),
+    authenticated,
     readBody(deps.config.maxBodyBytes),
     signed,
     createCompletion(requestDeps),
   );
-  router.get('/v1/requests/:id', authenticate(deps.db), signed, getRequest(requestDeps));
+  router.get('/v1/requests/:id', authenticated, signed, getRequest(requestDeps));
 
   app.use(accessLog(deps.logger));
   app.use(renderErrors(deps.logger));

@@ -5,6 +5,7 @@
 import type { Middleware } from 'koa';
 import type { Config } from '../config.ts';
 import { authenticationError } from '../errors.ts';
+import type { KeyCache } from '../keys/cache.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import { verifySignature } from '../keys/signatures.ts';
 import type { GatewayState } from './context.ts';
@@ -13,6 +14,7 @@ const NO_BODY = Buffer.alloc(0);
 
 export function verifyRequestSignature(
   config: Pick<Config, 'signatures' | 'secretEncryptionKey'>,
+  cache: KeyCache,
 ): Middleware<GatewayState> {
   const encryptionKey = config.secretEncryptionKey;
   if (!encryptionKey) throw new Error('SECRET_ENCRYPTION_KEY is required to verify request signatures');
@@ -24,7 +26,9 @@ export function verifyRequestSignature(
       }
     } else {
       const { auth } = ctx.state;
-      const secret = decryptSecret(auth.signingSecretCiphertext, auth.keyId, encryptionKey);
+      const secret = cache.signingSecret(auth, () =>
+        decryptSecret(auth.signingSecretCiphertext, auth.keyId, encryptionKey),
+      );
       ctx.state.signature = verifySignature(header, {
         method: ctx.method,
         path: ctx.originalUrl,

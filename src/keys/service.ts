@@ -4,6 +4,7 @@ import * as v from 'valibot';
 import type { Db } from '../db/pool.ts';
 import { authenticationError } from '../errors.ts';
 import { API_KEY, type KeyMode, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
+import type { KeyCache } from './cache.ts';
 import * as repository from './repository.ts';
 import { encryptSecret, hashApiKey } from './secrets.ts';
 
@@ -74,7 +75,7 @@ export const revokeKey = (db: Db, id: string) => repository.revokeKey(db, id);
 const BEARER = /^Bearer +(\S+) *$/i;
 
 /** The caller behind an Authorization header, or a 401 ApiError. */
-export async function authenticate(db: Db, authorization: string | undefined): Promise<Auth> {
+export async function authenticate(db: Db, authorization: string | undefined, cache?: KeyCache): Promise<Auth> {
   if (authorization === undefined || authorization.trim() === '') {
     throw authenticationError(
       'missing_api_key',
@@ -83,14 +84,20 @@ export async function authenticate(db: Db, authorization: string | undefined): P
   }
   const token = BEARER.exec(authorization)?.[1];
   if (token === undefined || !API_KEY.test(token)) throw invalidApiKey();
-  const key = await repository.findKeyByHash(db, hashApiKey(token));
+  const keySha256 = hashApiKey(token);
+  const cached = cache?.get(keySha256);
+  if (cached) return cached;
+  const generation = cache?.generation ?? 0;
+  const key = await repository.findKeyByHash(db, keySha256);
   if (key === undefined || key.revoked_at !== null) throw invalidApiKey();
-  return {
+  const auth: Auth = {
     keyId: key.id,
     projectId: key.project_id,
     mode: key.mode,
     signingSecretCiphertext: key.signing_secret_ciphertext,
   };
+  cache?.set(keySha256, auth, generation);
+  return auth;
 }
 
 const invalidApiKey = () => authenticationError('invalid_api_key', 'The API key is not valid.');

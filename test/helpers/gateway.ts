@@ -1,6 +1,6 @@
 // A real gateway for a test: its own database, real HTTP on a loopback port, the worker in
 // the same process (or not, by role), and its logs kept in memory for inspection.
-import { randomBytes } from 'node:crypto';
+import { createHash } from 'node:crypto';
 import { Writable } from 'node:stream';
 import type pg from 'pg';
 import { loadConfig, type Config } from '../../src/config.ts';
@@ -9,6 +9,7 @@ import type { KeyMode } from '../../src/ids.ts';
 import { createKey, type CreatedKey } from '../../src/keys/service.ts';
 import { createLogger } from '../../src/logger.ts';
 import { startGateway, type Role } from '../../src/main.ts';
+import type { KeyCache } from '../../src/keys/cache.ts';
 import type { Waiters } from '../../src/requests/waiters.ts';
 import { createTestDatabase } from './database.ts';
 
@@ -28,6 +29,8 @@ export interface TestGateway {
   logs: string[];
   /** The in-memory waiters of the API (undefined for role "worker"). */
   waiters: Waiters | undefined;
+  /** The API's key cache (undefined for role "worker"). */
+  keys: KeyCache | undefined;
   createKey(options?: { mode?: KeyMode; project?: string }): Promise<CreatedKey>;
   stop(): Promise<void>;
 }
@@ -54,7 +57,8 @@ export async function startTestGateway(
   const databaseUrl = options.databaseUrl ?? (await createTestDatabase(t));
   const config = loadConfig({
     ...TEST_SETTINGS,
-    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    // Every gateway of one test database shares its key, as the processes of one deployment do.
+    SECRET_ENCRYPTION_KEY: createHash('sha256').update(`test key for ${databaseUrl}`).digest('base64'),
     ...options.env,
     DATABASE_URL: databaseUrl,
   });
@@ -89,6 +93,7 @@ export async function startTestGateway(
     db,
     logs,
     waiters: gateway.waiters,
+    keys: gateway.keys,
     createKey: (keyOptions = {}) =>
       createKey(db, config.secretEncryptionKey, {
         project: keyOptions.project ?? 'test-project',

@@ -1,0 +1,95 @@
+// Keys and their decrypted signing secrets, cached in the API process so that authenticating a
+// request costs no database round trip. The database stays the truth: a key that changes
+// (revoked, deleted) is announced by NOTIFY and dropped at once; while the LISTEN connection is
+// down nothing is cached or served from the cache; and entries expire anyway after a minute.
+import type { Listener } from '../db/listener.ts';
+import type { Auth } from './service.ts';
+
+export const KEYS_CHANNEL = 'gateway_api_keys_changed';
+
+interface Entry {
+  auth: Auth;
+  keySha256: string;
+  expiresAt: number;
+  signingSecret?: string;
+}
+
+export class KeyCache {
+  readonly #byKeyId = new Map<string, Entry>();
+  readonly #keyIdBySha = new Map<string, string>();
+  readonly #listener: Listener;
+  readonly #ttlMs: number;
+  readonly #maxEntries: number;
+  // Bumped by every invalidation: a key read from the database before one must not be cached
+  // after it (its NOTIFY may have arrived while the read was under way).
+  #generation = 0;
+
+  constructor(listener: Listener, options: { ttlMs?: number; maxEntries?: number } = {}) {
+    this.#listener = listener;
+    this.#ttlMs = options.ttlMs ?? 60_000;
+    this.#maxEntries = options.maxEntries ?? 10_000;
+    listener.subscribe(KEYS_CHANNEL, {
+      notification: (keyId) => this.forget(keyId),
+      lost: () => this.clear(),
+      restored: () => this.clear(),
+    });
+  }
+
+  get size(): number {
+    return this.#byKeyId.size;
+  }
+
+  /** Take before reading a key from the database; pass to set(). */
+  get generation(): number {
+    return this.#generation;
+  }
+
+  get(keySha256: Buffer): Auth | undefined {
+    if (!this.#listener.listening) return undefined;
+    const keyId = this.#keyIdBySha.get(keySha256.toString('hex'));
+    const entry = keyId === undefined ? undefined : this.#byKeyId.get(keyId);
+    if (!entry) return undefined;
+    if (entry.expiresAt < Date.now()) {
+      this.forget(entry.auth.keyId);
+      return undefined;
+    }
+    return entry.auth;
+  }
+
+  set(keySha256: Buffer, auth: Auth, generation: number): void {
+    if (!this.#listener.listening || generation !== this.#generation) return;
+    if (this.#byKeyId.size >= this.#maxEntries) {
+      // Maps keep insertion order: drop the oldest.
+      const oldest = this.#byKeyId.values().next().value;
+      if (oldest) {
+        this.#byKeyId.delete(oldest.auth.keyId);
+        this.#keyIdBySha.delete(oldest.keySha256);
+      }
+    }
+    const sha = keySha256.toString('hex');
+    this.#byKeyId.set(auth.keyId, { auth, keySha256: sha, expiresAt: Date.now() + this.#ttlMs });
+    this.#keyIdBySha.set(sha, auth.keyId);
+  }
+
+  /** The key's signing secret, decrypted once per cache entry. */
+  signingSecret(auth: Auth, decrypt: () => string): string {
+    const entry = this.#listener.listening ? this.#byKeyId.get(auth.keyId) : undefined;
+    if (!entry || entry.auth !== auth) return decrypt();
+    entry.signingSecret ??= decrypt();
+    return entry.signingSecret;
+  }
+
+  forget(keyId: string): void {
+    this.#generation++;
+    const entry = this.#byKeyId.get(keyId);
+    if (!entry) return;
+    this.#byKeyId.delete(keyId);
+    this.#keyIdBySha.delete(entry.keySha256);
+  }
+
+  clear(): void {
+    this.#generation++;
+    this.#byKeyId.clear();
+    this.#keyIdBySha.clear();
+  }
+}

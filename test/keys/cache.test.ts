@@ -1,0 +1,78 @@
+// The key cache and the LISTEN connection it and the waiters share: revocations reach every
+// API process, nothing is served from the cache while notifications could be missed, and a
+// lost LISTEN connection costs no waiter its answer.
+import t from 'tap';
+import { authenticate } from '../../src/keys/service.ts';
+import { hashApiKey } from '../../src/keys/secrets.ts';
+import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
+
+async function killListener(gateway: TestGateway) {
+  const { rows } = await gateway.pool.query(
+    `select pg_terminate_backend(pid) as killed from pg_stat_activity
+     where application_name = 'gateway-listen' and datname = current_database()`,
+  );
+  return rows.length;
+}
+
+async function until(condition: () => boolean, what: string) {
+  for (let i = 0; !condition(); i++) {
+    if (i > 500) throw new Error(`timed out waiting: ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+}
+
+t.test('a revocation in one API process reaches the cache of another', async (t) => {
+  const first = await startTestGateway(t, { role: 'api' });
+  const second = await startTestGateway(t, { role: 'api', databaseUrl: first.databaseUrl });
+  const key = await first.createKey();
+  t.equal((await clientFor(second.url, key).post({ model: 'm', messages: userMessage() })).status, 202);
+  t.equal(second.keys!.size, 1);
+
+  await first.pool.query('update gateway.api_keys set revoked_at = now() where id = $1', [key.id]);
+  await until(() => second.keys!.size === 0, 'the second process forgets the key');
+  const refused = await clientFor(second.url, key).post({ model: 'm', messages: userMessage() });
+  t.equal(refused.status, 401);
+});
+
+t.test('a key read before an invalidation is not cached after it', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const cache = gateway.keys!;
+  const generation = cache.generation;
+  cache.forget('key_someotherkey00000000');
+  const auth = await authenticate(gateway.db, `Bearer ${key.api_key}`);
+  cache.set(hashApiKey(key.api_key), auth, generation);
+  t.equal(cache.size, 0, 'the stale read is not kept');
+  cache.set(hashApiKey(key.api_key), auth, cache.generation);
+  t.equal(cache.size, 1);
+});
+
+t.test('while the LISTEN connection is down nothing is cached; it comes back by itself', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const client = clientFor(gateway.url, key);
+  t.equal((await client.post({ model: 'm', messages: userMessage() })).status, 202);
+  t.equal(gateway.keys!.size, 1);
+
+  t.equal(await killListener(gateway), 1);
+  await until(() => gateway.keys!.size === 0, 'the cache is emptied when the connection is lost');
+  await until(() => gateway.logs.some((line) => line.includes('LISTEN connection restored')), 'reconnection');
+  t.equal((await client.post({ model: 'm', messages: userMessage() })).status, 202);
+  t.equal(gateway.keys!.size, 1, 'caching again once notifications flow');
+});
+
+t.test('a waiter gets its answer although the LISTEN connection died during its wait', async (t) => {
+  const api = await startTestGateway(t, { role: 'api', env: { WAIT_TIMEOUT_MS: '10000' } });
+  await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
+  const pending = clientFor(api.url, await api.createKey()).post({
+    model: 'test-delay-500',
+    messages: userMessage('despite it all'),
+    wait: true,
+  });
+  await until(() => api.waiters!.size === 1, 'waiting');
+  t.equal(await killListener(api), 1);
+  const answer = await pending;
+  t.equal(answer.status, 200);
+  t.equal(answer.body.choices[0].message.content, 'despite it all');
+});
