@@ -9,6 +9,7 @@ import type { Db } from '../db/pool.ts';
 import { methodNotAllowed } from '../errors.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
+import { InsertBatcher } from '../requests/insert-batcher.ts';
 import type { Waiters } from '../requests/waiters.ts';
 import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
@@ -31,7 +32,12 @@ export interface AppDeps {
 export function createApp(deps: AppDeps): Koa<GatewayState> {
   const app = new Koa<GatewayState>();
   const router = new Router<GatewayState>();
-  const requestDeps = { db: deps.db, waiters: deps.waiters, config: deps.config };
+  const requestDeps = {
+    db: deps.db,
+    inserts: new InsertBatcher(deps.db, { maxInFlight: Math.max(1, Math.floor(deps.config.databasePoolSize / 3)) }),
+    waiters: deps.waiters,
+    config: deps.config,
+  };
   const signed = verifyRequestSignature(deps.config, deps.keys);
   const authenticated = authenticate(deps.db, deps.keys);
 

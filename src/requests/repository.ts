@@ -53,41 +53,84 @@ export type InsertResult =
   | { kind: 'idempotency_key_taken' };
 
 /**
- * Records the nonce (if any), the request and its first job, in one statement: the nonce and
- * the request are stored together or not at all.
+ * Stores a group of requests in one statement, and so one commit: the nonces of those that
+ * were signed, the requests whose nonce was new (or that had none), and one add_jobs call for
+ * all their first jobs (graphile-worker's NOTIFY, taken once per commit, is what limits
+ * one-request transactions). A nonce and its request are stored together or not at all.
+ * Returns one result per item, in order.
  */
-export async function insertRequest(db: Db, request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
-  const nonceValue = nonce?.nonce ?? null;
-  const { rows } = await sql<{ nonce_accepted: boolean } & { [K in keyof RequestAnswer]: RequestAnswer[K] | null }>`
-    with nonce as (
+export async function insertRequests(
+  db: Db,
+  items: readonly { request: NewRequest; nonce: Nonce | undefined }[],
+): Promise<InsertResult[]> {
+  const column = <T>(pick: (item: (typeof items)[number]) => T) => items.map(pick);
+  const { rows } = await sql<{
+    ord: string;
+    nonce_accepted: boolean;
+    id: string | null;
+    status: RequestStatus | null;
+    created_at: Date | null;
+  }>`
+    with input as (
+      select * from unnest(
+        ${column((i) => i.request.id)}::text[],
+        ${column((i) => i.request.project_id)}::bigint[],
+        ${column((i) => i.request.mode)}::text[],
+        ${column((i) => i.request.api_key_id)}::text[],
+        ${column((i) => i.request.model)}::text[],
+        ${column((i) => i.request.body)}::text[],
+        ${column((i) => i.request.body_sha256)}::bytea[],
+        ${column((i) => i.request.idempotency_key)}::text[],
+        ${column((i) => i.nonce?.nonce ?? null)}::text[],
+        ${column((i) => i.nonce?.expires_at ?? null)}::timestamptz[]
+      ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
+                              nonce, nonce_expires_at, ord)
+    ), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
-      select ${nonce?.api_key_id ?? null}, ${nonceValue}::text, ${nonce?.expires_at ?? null}::timestamptz
-      where ${nonceValue}::text is not null
+      select api_key_id, nonce, nonce_expires_at from input where nonce is not null
       on conflict do nothing
-      returning nonce
+      returning api_key_id, nonce
+    ), accepted as (
+      select input.* from input
+      where input.nonce is null
+         or exists (select from nonces where nonces.api_key_id = input.api_key_id and nonces.nonce = input.nonce)
     ), inserted as (
       insert into gateway.requests
         (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key)
-      select ${request.id}, ${request.project_id}, ${request.mode}, ${request.api_key_id},
-             ${request.model}, ${request.body}::json, ${request.body_sha256}, ${request.idempotency_key}
-      where ${nonceValue}::text is null or exists (select from nonce)
+      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key from accepted
       on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
-      returning id, status, created_at, body_sha256
+      returning id, status, created_at
     ), queued as (
-      select inserted.*
-      from inserted,
-        lateral graphile_worker.add_job(${PROCESS_REQUEST},
-          json_build_object('request_id', inserted.id, 'attempt', 1)) as job
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${PROCESS_REQUEST}, json_build_object('request_id', id, 'attempt', 1),
+                   null, null, null, null, null, null)::graphile_worker.job_spec
+        from inserted
+      ))
+      where exists (select from inserted)
     )
-    select ${nonceValue}::text is null or exists (select from nonce) as nonce_accepted,
-           queued.id, queued.status, queued.created_at, null as result, queued.body_sha256
-    from (values (1)) as one
-    left join queued on true
+    select input.ord, accepted.id is not null as nonce_accepted,
+           inserted.id, inserted.status, inserted.created_at
+    from input
+    cross join queued
+    left join accepted on accepted.ord = input.ord
+    left join inserted on inserted.id = input.id
+    order by input.ord
   `.execute(db);
-  const row = rows[0]!;
-  if (!row.nonce_accepted) return { kind: 'replayed_nonce' };
-  if (row.id === null) return { kind: 'idempotency_key_taken' };
-  return { kind: 'inserted', answer: row as RequestAnswer };
+  return rows.map((row, index): InsertResult => {
+    if (!row.nonce_accepted) return { kind: 'replayed_nonce' };
+    if (row.id === null) return { kind: 'idempotency_key_taken' };
+    return {
+      kind: 'inserted',
+      answer: {
+        id: row.id,
+        status: row.status!,
+        created_at: row.created_at!,
+        result: null,
+        body_sha256: items[index]!.request.body_sha256,
+      },
+    };
+  });
 }
 
 const answerColumns = sql`id, status, created_at, result::text as result, body_sha256`;

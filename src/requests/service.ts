@@ -8,6 +8,7 @@ import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce } from '../keys/repository.ts';
 import type { Auth } from '../keys/service.ts';
 import { replayedRequest, SIGNATURE_WINDOW_SECONDS, type VerifiedSignature } from '../keys/signatures.ts';
+import type { InsertBatcher } from './insert-batcher.ts';
 import * as repository from './repository.ts';
 import type { Nonce, RequestAnswer, RequestRecord } from './repository.ts';
 import type { Submission } from './schemas.ts';
@@ -17,6 +18,7 @@ export type { RequestRecord } from './repository.ts';
 
 export interface RequestDeps {
   db: Db;
+  inserts: InsertBatcher;
   waiters: Waiters;
   config: Pick<Config, 'waitTimeoutMs'>;
 }
@@ -83,7 +85,7 @@ async function store(
   // Twice at most: the request holding the idempotency key may be deleted (retention) between
   // the insert that found it and the read that looks for it.
   for (let tries = 1; ; tries++) {
-    const inserted = await repository.insertRequest(deps.db, request, tries === 1 ? nonce : undefined);
+    const inserted = await deps.inserts.insert(request, tries === 1 ? nonce : undefined);
     if (inserted.kind === 'replayed_nonce') throw replayedRequest();
     if (inserted.kind === 'inserted') return { answer: inserted.answer, replayed: false };
 

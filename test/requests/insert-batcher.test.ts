@@ -1,0 +1,81 @@
+// Group commit: concurrent submissions share statements, and every one still gets its own,
+// correct answer.
+import t from 'tap';
+import { newRequestId } from '../../src/ids.ts';
+import { InsertBatcher } from '../../src/requests/insert-batcher.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { send } from '../helpers/http.ts';
+import { countRows, jobsFor } from '../helpers/rows.ts';
+import { signature } from '../helpers/signing.ts';
+
+async function setup(t: Parameters<typeof startTestGateway>[0]) {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const { rows } = await gateway.pool.query('select project_id from gateway.api_keys where id = $1', [key.id]);
+  const request = (overrides: Record<string, unknown> = {}) => ({
+    id: newRequestId(),
+    project_id: rows[0].project_id as string,
+    mode: 'test' as const,
+    api_key_id: key.id,
+    model: 'm',
+    body: '{"model":"m","messages":[]}',
+    body_sha256: Buffer.alloc(32, 1),
+    idempotency_key: null,
+    ...overrides,
+  });
+  return { gateway, key, request };
+}
+
+t.test('concurrent inserts share statements; each gets its own row and job', async (t) => {
+  const { gateway, request } = await setup(t);
+  const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1 });
+  const requests = Array.from({ length: 200 }, () => request());
+  const results = await Promise.all(requests.map((r) => batcher.insert(r, undefined)));
+  t.ok(results.every((result, i) => result.kind === 'inserted' && result.answer.id === requests[i]!.id));
+  t.equal(batcher.stats.requests, 200);
+  t.ok(batcher.stats.statements < 20, `200 inserts in ${batcher.stats.statements} statements`);
+  t.equal(await countRows(gateway.db, 'requests'), 200);
+  t.same((await jobsFor(gateway.db, requests[17]!.id)).map((job) => job.attempt), [1]);
+});
+
+t.test('within one group: a repeated nonce is a replay, a repeated idempotency key one request', async (t) => {
+  const { gateway, key, request } = await setup(t);
+  const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1 });
+  const nonce = { api_key_id: key.id, nonce: 'same-nonce-0123456789', expires_at: new Date(Date.now() + 60_000) };
+  const results = await Promise.all([
+    batcher.insert(request(), nonce),
+    batcher.insert(request(), nonce),
+    batcher.insert(request({ idempotency_key: 'k' }), undefined),
+    batcher.insert(request({ idempotency_key: 'k' }), undefined),
+  ]);
+  t.same(results.map((result) => result.kind), ['inserted', 'replayed_nonce', 'inserted', 'idempotency_key_taken']);
+  t.equal(await countRows(gateway.db, 'requests'), 2);
+});
+
+t.test('one item the database refuses does not fail the others of its group', async (t) => {
+  const { gateway, request } = await setup(t);
+  const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1 });
+  const good = [request(), request(), request()];
+  const settled = await Promise.allSettled([
+    batcher.insert(good[0]!, undefined),
+    batcher.insert(good[1]!, undefined),
+    batcher.insert(request({ project_id: '999999' }), undefined), // no such project
+    batcher.insert(good[2]!, undefined),
+  ]);
+  t.same(settled.map((outcome) => outcome.status), ['fulfilled', 'fulfilled', 'rejected', 'fulfilled']);
+  t.equal(await countRows(gateway.db, 'requests'), 3);
+});
+
+t.test('the same signed request sent twice at once: one accepted, one refused as a replay', async (t) => {
+  const { gateway, key } = await setup(t);
+  const body = JSON.stringify({ model: 'm', messages: [{ role: 'user', content: 'twice' }] });
+  const header = signature({ secret: key.signing_secret, method: 'POST', path: '/v1/chat/completions', body });
+  const answers = await Promise.all(
+    [1, 2].map(() =>
+      send(gateway.url, { path: '/v1/chat/completions', body, key: key.api_key, headers: { 'svc-signature': header } }),
+    ),
+  );
+  t.same(answers.map((answer) => answer.status).sort(), [202, 401]);
+  t.equal(answers.find((answer) => answer.status === 401)!.body.error.code, 'replayed_request');
+  t.equal(await countRows(gateway.db, 'requests'), 1);
+});
