@@ -1,7 +1,8 @@
 // One fault scenario's world: a database of its own (a clone of the run's template, or one the
 // scenario brings, such as its own embedded Postgres), a pool for reading rows, keys whose
 // secrets are recorded for the log search, and the gateway processes it starts. At teardown
-// the processes are killed first, then the pool is closed and the database dropped.
+// the processes are killed first, then the pool is closed and the database dropped (or what
+// the scenario gave as `afterwards` is done, such as stopping its Postgres).
 import { randomBytes } from 'node:crypto';
 import type pg from 'pg';
 import { createDb, createPool, type Db } from '../../../src/db/pool.ts';
@@ -56,13 +57,14 @@ export interface FaultContext {
 export async function faultContext(
   t: Teardown,
   scenario: string,
-  options: { databaseUrl?: string } = {},
+  options: { databaseUrl?: string; afterwards?: () => Promise<void> } = {},
 ): Promise<FaultContext> {
   const cleanups: (() => Promise<void> | void)[] = [];
+  if (options.afterwards) cleanups.push(options.afterwards);
   const databaseUrl =
     options.databaseUrl ?? (await createTestDatabase({ teardown: (fn) => cleanups.push(fn) }));
   const encryptionKey = randomBytes(32);
-  const logger = createLogger({ logLevel: 'warn' }, process.stderr);
+  const logger = createLogger({ logLevel: 'error' }, process.stderr);
   const pool = createPool(databaseUrl, { max: 4, applicationName: `faults-${scenario}`, logger });
   const db = createDb(pool);
   const processes: GatewayProcess[] = [];

@@ -9,6 +9,8 @@ export interface AttemptRow {
   outcome: 'running' | 'succeeded' | 'failed';
   upstream_status: number | null;
   error_code: string | null;
+  error_detail: string | null;
+  duration_ms: number | null;
   worker_id: string | null;
 }
 
@@ -30,7 +32,7 @@ export async function requestsWithAttempts(pool: pg.Pool, ids?: string[]): Promi
   const { rows } = await pool.query<Omit<RequestWithAttempts, 'attempt_rows'> & { attempt_rows: any[] }>(
     `select r.id, r.status, r.attempts, r.last_error_code, r.created_at, r.finished_at, r.idempotency_key, r.result,
             coalesce((select json_agg(a order by a.attempt_number)
-                      from (select attempt_number, started_at, finished_at, outcome, upstream_status, error_code, worker_id
+                      from (select attempt_number, started_at, finished_at, outcome, upstream_status, error_code, error_detail, duration_ms, worker_id
                             from gateway.request_attempts where request_id = r.id) as a), '[]') as attempt_rows
      from gateway.requests as r
      where $1::text[] is null or r.id = any($1::text[])`,

@@ -1,0 +1,149 @@
+// Fault 4: 1,000 live-mode requests against an upstream that fails at random (429 with
+// retry-after, 5xx, other 4xx, resets, hangs past the upstream timeout, garbage 2xx bodies).
+// Every request must end, and each of its attempts with the code of what the upstream actually
+// answered that attempt: retried while the code is retryable and attempts remain, never more
+// than MAX_ATTEMPTS, completed with the upstream's completion verbatim.
+import { randomInt } from 'node:crypto';
+import { isDeepStrictEqual } from 'node:util';
+import t from 'tap';
+import { BEHAVIOURS, RETRYABLE, startChaosUpstream, type ChaosCall } from './support/chaos-upstream.ts';
+import { call, inBatches, spread, tally } from './support/client.ts';
+import { faultContext } from './support/context.ts';
+import { sleep } from './support/processes.ts';
+import { requestsWithAttempts, waitUntilTerminal, type RequestWithAttempts } from './support/rows.ts';
+import { privateContent, UPSTREAM_API_KEY } from './support/run.ts';
+
+const REQUESTS = 1_000;
+const MAX_ATTEMPTS = 5;
+const UPSTREAM_TIMEOUT_MS = 1_500;
+
+t.test('1,000 requests against an upstream that fails at random: all end, each attempt with the code of what the upstream answered it', async (t) => {
+  const seed = randomInt(2 ** 31);
+  t.comment(`chaos seed ${seed}`);
+  const upstream = await startChaosUpstream(t, {
+    seed,
+    tagOf: (body) => /scenario 4 request (\d+) /.exec(body?.messages?.[0]?.content ?? '')?.[1] ?? 'unknown',
+  });
+  const faults = await faultContext(t, '4-chaos-upstream');
+  const env = {
+    UPSTREAM_BASE_URL: upstream.baseUrl,
+    UPSTREAM_TIMEOUT_MS: String(UPSTREAM_TIMEOUT_MS),
+    MAX_ATTEMPTS: String(MAX_ATTEMPTS),
+    RETRY_BASE_MS: '20',
+    RETRY_MAX_MS: '200',
+    WORKER_CONCURRENCY: '64',
+  };
+  const api = await faults.start('api', { env });
+  const key = await faults.createKey({ project: 'faults-chaos', mode: 'live' });
+  const worker = await faults.process('worker', { env });
+
+  const startedAt = Date.now();
+  const accepted = await inBatches(Array.from({ length: REQUESTS }, (_, i) => i), 50, (i) =>
+    call(api.url!, {
+      path: '/v1/chat/completions',
+      key,
+      body: {
+        model: 'gpt-chaos',
+        messages: [{ role: 'user', content: privateContent(`scenario 4 request ${i}`) }],
+        temperature: 0.5,
+        wait: false,
+        idempotency_key: `chaos-${i}`,
+        stream: false,
+      },
+    }),
+  );
+  t.same(tally(accepted.map((answer) => answer.status)), `202: ${REQUESTS}`, 'all 1,000 acknowledged');
+  const ids = accepted.map((answer) => answer.body.id as string);
+  // The worker starts once all are in, so that the submissions do not slow this process's
+  // upstream down past the gateway's timeout.
+  await worker.start();
+
+  const ended = await waitUntilTerminal(faults.pool, ids, 120_000);
+  t.ok(ended.done, `all ended (left: ${ended.left}, by status: ${JSON.stringify(ended.byStatus)})`);
+  t.comment(`all ended ${Date.now() - startedAt} ms after the first was sent`);
+  // A call after the end would show up here.
+  await sleep(2_000);
+
+  const requests = await requestsWithAttempts(faults.pool, ids);
+  const byId = new Map(requests.map((request) => [request.id, request]));
+  const problems: string[] = [];
+  let late = 0;
+  ids.forEach((id, i) => {
+    const request = byId.get(id);
+    if (!request) return problems.push(`request ${i} (${id}) is not stored`);
+    const checked = crossCheck(request, upstream.callsFor(String(i)));
+    late += checked.late;
+    problems.push(...checked.problems.map((problem) => `request ${i} (${id}): ${problem}`));
+  });
+  t.comment(`${late} calls were answered by this process only after the gateway's ${UPSTREAM_TIMEOUT_MS} ms upstream timeout (expected: upstream_timeout)`);
+  t.same(problems.slice(0, 20), [], `every request's attempts and outcome follow from what the upstream answered (${problems.length} problems)`);
+  t.ok(requests.every((request) => request.attempts <= MAX_ATTEMPTS), 'no request had more than MAX_ATTEMPTS attempts');
+  t.equal(upstream.calls.length, requests.reduce((sum, request) => sum + request.attempts, 0), 'one upstream call per attempt, none after a request ended');
+  t.same(upstream.calls.filter((chaos) => chaos.tag === 'unknown').length, 0, 'every call was for one of the requests');
+
+  t.same(
+    tally(upstream.calls.map((chaos) => String(chaos.authorization === `Bearer ${UPSTREAM_API_KEY}`))),
+    `true: ${upstream.calls.length}`,
+    'every call carried UPSTREAM_API_KEY',
+  );
+  t.same(
+    upstream.calls.filter((chaos) => Object.keys(chaos.body).sort().join(',') !== 'messages,model,temperature').map((chaos) => Object.keys(chaos.body)).slice(0, 5),
+    [],
+    'and the body without wait, idempotency_key and stream',
+  );
+
+  // What clients see: the lookup record agrees with the rows.
+  const records = await inBatches(ids, 50, (id) => call(api.url!, { path: `/v1/requests/${id}`, key }));
+  t.same(
+    records.filter((record) => {
+      const row = byId.get(record.body?.id);
+      return record.status !== 200 || !row || record.body.status !== row.status || record.body.attempts !== row.attempts ||
+        record.body.last_error_code !== row.last_error_code || ('result' in record.body) !== (row.status === 'completed');
+    }).map((record) => [record.status, record.body]).slice(0, 5),
+    [],
+    'every lookup answers the request as stored: status, attempts, last_error_code, result when completed',
+  );
+
+  t.comment(`upstream calls: ${upstream.calls.length}: ${tally(upstream.calls.map((chaos) => chaos.behaviour))}`);
+  t.comment(`requests: ${tally(requests.map((request) => request.status))}; attempts: ${tally(requests.map((request) => request.attempts))}`);
+  t.comment(`failed with: ${tally(requests.filter((request) => request.status === 'failed').map((request) => request.last_error_code ?? 'null'))}`);
+  t.comment(`completed after errors, last_error_code: ${tally(requests.filter((request) => request.status === 'completed' && request.last_error_code).map((request) => request.last_error_code!))}`);
+  t.comment(`time from acknowledgement to end: ${spread(requests.map((request) => (request.finished_at?.getTime() ?? Date.now()) - request.created_at.getTime()))}`);
+});
+
+/** How a request's rows disagree with what the upstream answered each of its calls. */
+function crossCheck(request: RequestWithAttempts, calls: ChaosCall[]): { problems: string[]; late: number } {
+  const problems: string[] = [];
+  let late = 0;
+  const expected: (string | null)[] = calls.map((chaos) => BEHAVIOURS[chaos.behaviour].code);
+  const answered = calls.map((chaos) => `${chaos.behaviour}${chaos.status === null ? '' : ` ${chaos.status}`}`).join(', ');
+  if (request.attempts !== calls.length) problems.push(`${request.attempts} attempts, but the upstream had ${calls.length} calls (${answered})`);
+  request.attempt_rows.forEach((attempt, index) => {
+    const chaos = calls[index];
+    let code = expected[index];
+    if (code === undefined || !chaos) return;
+    // This process answered after the gateway's timeout had passed (it was starved of CPU): what
+    // the gateway saw was no answer in time.
+    if (chaos.answeredAt >= attempt.started_at.getTime() + UPSTREAM_TIMEOUT_MS - 20) {
+      code = expected[index] = 'upstream_timeout';
+      late += 1;
+    }
+    const wanted = code === null ? { outcome: 'succeeded', error_code: null } : { outcome: 'failed', error_code: code };
+    if (attempt.outcome !== wanted.outcome || attempt.error_code !== wanted.error_code) {
+      problems.push(`attempt ${index + 1} ended ${attempt.outcome} ${attempt.error_code} (${attempt.error_detail}, after ${attempt.duration_ms} ms), but the upstream answered ${answered.split(', ')[index]} (expected ${wanted.outcome} ${wanted.error_code})`);
+    }
+  });
+  const last = expected.at(-1);
+  const earlier = expected.slice(0, -1);
+  if (earlier.some((code) => code === null || !RETRYABLE.has(code))) problems.push(`retried after a success or a non-retryable error: ${answered}`);
+  if (last === null) {
+    if (request.status !== 'completed') problems.push(`${request.status}, but the last call was answered with a completion`);
+    else if (!isDeepStrictEqual(request.result, calls.at(-1)?.completion)) problems.push('completed, but not with the completion the upstream sent');
+  } else if (last !== undefined) {
+    if (request.status !== 'failed') problems.push(`${request.status}, but the last call failed (${answered})`);
+    if (RETRYABLE.has(last) && request.attempts < MAX_ATTEMPTS) problems.push(`failed after ${request.attempts} attempts with retryable ${last}`);
+  }
+  const lastFailure = expected.filter((code) => code !== null).at(-1) ?? null;
+  if (request.last_error_code !== lastFailure) problems.push(`last_error_code ${request.last_error_code}, but the last failed call says ${lastFailure} (${answered})`);
+  return { problems, late };
+}
