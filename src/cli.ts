@@ -4,6 +4,7 @@ import { parseArgs } from 'node:util';
 import * as v from 'valibot';
 import { createKeyCommand, listKeysCommand, revokeKeyCommand } from './cli/keys.ts';
 import { requestCommand } from './cli/request.ts';
+import { listRequestsCommand, showRequestCommand, statsCommand } from './cli/requests.ts';
 import { CommandError } from './cli/output.ts';
 import { loadConfig, type Config, ConfigError } from './config.ts';
 import { migrate } from './db/migrate.ts';
@@ -26,6 +27,10 @@ const USAGE = `Usage: gateway <command>
                                its signing secret, once
   keys list [--project <name>] [--json]
   keys revoke <key id> [--json]
+  requests show <id> [--json]  one request and its attempts
+  requests list [--status <s>] [--project <name>] [--mode live|test] [--limit <n>] [--json]
+                               requests, newest first (20 by default)
+  stats [--json]               requests by status, the queue, the last hour's errors, worker pools
   request <METHOD> <path> [body | - | @file] [--verbose]
                                one signed call to a running gateway, with the key and secret in
                                GATEWAY_API_KEY and GATEWAY_SIGNING_SECRET (GATEWAY_BASE_URL:
@@ -54,6 +59,12 @@ async function main(argv: string[]): Promise<void> {
       return keys(config, rest);
     case 'request':
       return request(config, rest);
+    case 'requests':
+      return requests(config, rest);
+    case 'stats': {
+      const { values } = parse(rest, { json: { type: 'boolean', default: false } });
+      return adminCommand(config, (db) => statsCommand(db, { json: values.json! }));
+    }
     case undefined:
     case 'help':
     case '--help':
@@ -127,6 +138,46 @@ async function keys(config: Config, args: string[]): Promise<void> {
     }
     default:
       throw new UsageError('keys takes create, list or revoke.');
+  }
+}
+
+async function requests(config: Config, args: string[]): Promise<void> {
+  const [subcommand, ...rest] = args;
+  switch (subcommand) {
+    case 'show': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('requests show needs exactly one request id.');
+      return adminCommand(config, (db) => showRequestCommand(db, positionals[0]!, { json: values.json! }));
+    }
+    case 'list': {
+      const { values } = parse(rest, {
+        status: { type: 'string' },
+        project: { type: 'string' },
+        mode: { type: 'string' },
+        limit: { type: 'string', default: '20' },
+        json: { type: 'boolean', default: false },
+      });
+      const filter = v.parse(
+        v.object({
+          status: v.optional(v.picklist(['queued', 'processing', 'retrying', 'completed', 'failed'], '--status must be queued, processing, retrying, completed or failed')),
+          project: v.optional(v.string()),
+          mode: v.optional(v.picklist(['live', 'test'], '--mode must be live or test')),
+          limit: v.pipe(v.string(), v.regex(/^\d+$/, '--limit must be a whole number'), v.transform(Number), v.minValue(1, '--limit must be at least 1'), v.maxValue(10_000, '--limit is at most 10000')),
+        }),
+        values,
+      );
+      return adminCommand(config, (db) =>
+        listRequestsCommand(db, {
+          limit: filter.limit,
+          json: values.json!,
+          ...(filter.status ? { status: filter.status } : {}),
+          ...(filter.project ? { project: filter.project } : {}),
+          ...(filter.mode ? { mode: filter.mode } : {}),
+        }),
+      );
+    }
+    default:
+      throw new UsageError('requests takes show or list.');
   }
 }
 

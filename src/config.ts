@@ -16,6 +16,18 @@ const integer = (name: string, fallback: number, min: number, max = Number.MAX_S
     String(fallback),
   );
 
+/** A whole number that may be left unset (or empty). */
+const optionalInteger = (name: string, min: number) =>
+  v.optional(
+    v.pipe(
+      v.string(),
+      v.trim(),
+      v.check((value) => value === '' || /^\d+$/.test(value), `${name} must be a whole number`),
+      v.transform((value) => (value === '' ? undefined : Number(value))),
+      v.check((value) => value === undefined || value >= min, `${name} must be at least ${min}`),
+    ),
+  );
+
 const text = (fallback: string) => v.optional(v.pipe(v.string(), v.trim(), v.minLength(1)), fallback);
 
 const optionalText = v.optional(
@@ -36,6 +48,7 @@ const Environment = v.object({
   MAX_BODY_BYTES: integer('MAX_BODY_BYTES', 4 * 1024 * 1024, 1024),
   SIGNATURES: v.optional(v.picklist(['required', 'optional']), 'required'),
   SECRET_ENCRYPTION_KEY: optionalText,
+  METRICS_TOKEN: optionalText,
 
   UPSTREAM_BASE_URL: v.optional(
     v.pipe(
@@ -55,6 +68,8 @@ const Environment = v.object({
 
   WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 32, 1, 10_000),
   WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10),
+  RETENTION_DAYS: integer('RETENTION_DAYS', 30, 1, 36_500),
+  BODY_RETENTION_HOURS: optionalInteger('BODY_RETENTION_HOURS', 1),
   WORKER_DEAD_AFTER_MS: integer('WORKER_DEAD_AFTER_MS', 15_000, 500),
   SHUTDOWN_GRACE_MS: integer('SHUTDOWN_GRACE_MS', 10_000, 0),
   DATABASE_POOL_SIZE: integer('DATABASE_POOL_SIZE', 10, 2, 1_000),
@@ -81,6 +96,8 @@ export interface Config {
   readonly signatures: 'required' | 'optional';
   /** 32-byte key that encrypts signing secrets at rest; undefined until set. */
   readonly secretEncryptionKey: Buffer | undefined;
+  /** When set, GET /metrics requires "Authorization: Bearer <token>". */
+  readonly metricsToken: string | undefined;
 
   readonly upstreamBaseUrl: string;
   readonly upstreamApiKey: string | undefined;
@@ -90,6 +107,11 @@ export interface Config {
   /** Full-jitter exponential backoff: attempt n waits a random time in [0, min(max, base * 2^(n-1))]. */
   readonly retryBaseMs: number;
   readonly retryMaxMs: number;
+
+  /** Finished requests created this many days ago are deleted. */
+  readonly retentionDays: number;
+  /** When set, finished requests' bodies are dropped after this many hours. */
+  readonly bodyRetentionHours: number | undefined;
 
   readonly workerConcurrency: number;
   readonly workerPollIntervalMs: number;
@@ -131,12 +153,15 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     maxBodyBytes: e.MAX_BODY_BYTES,
     signatures: e.SIGNATURES,
     secretEncryptionKey: parseEncryptionKey(e.SECRET_ENCRYPTION_KEY),
+    metricsToken: e.METRICS_TOKEN,
     upstreamBaseUrl: e.UPSTREAM_BASE_URL,
     upstreamApiKey: e.UPSTREAM_API_KEY,
     upstreamTimeoutMs: e.UPSTREAM_TIMEOUT_MS,
     maxAttempts: e.MAX_ATTEMPTS,
     retryBaseMs: e.RETRY_BASE_MS,
     retryMaxMs: Math.max(e.RETRY_MAX_MS, e.RETRY_BASE_MS),
+    retentionDays: e.RETENTION_DAYS,
+    bodyRetentionHours: e.BODY_RETENTION_HOURS,
     workerConcurrency: e.WORKER_CONCURRENCY,
     workerPollIntervalMs: e.WORKER_POLL_INTERVAL_MS,
     workerDeadAfterMs: e.WORKER_DEAD_AFTER_MS,

@@ -35,6 +35,11 @@ export function newRequestId(now = Date.now()): string {
   return `req_${base62Fixed(now, 8)}${randomBase62(18)}`;
 }
 
+/** The smallest id of a request created at `ms`: every request created earlier sorts below it. */
+export function requestIdFloor(ms: number): string {
+  return `req_${base62Fixed(ms, 8)}`;
+}
+
 export type KeyMode = 'live' | 'test';
 
 export const API_KEY = /^svc_(live|test)_[A-Za-z0-9]{32,}$/;

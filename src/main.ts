@@ -9,8 +9,9 @@ import { ConfigError, type Config } from './config.ts';
 import { schemaVersion } from './db/migrate.ts';
 import { createDb, createPool } from './db/pool.ts';
 import { ApiError, invalidRequest } from './errors.ts';
-import { createApp } from './http/app.ts';
+import { createApp, createOpsApp } from './http/app.ts';
 import type { Logger } from './logger.ts';
+import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
 import { Waiters } from './requests/waiters.ts';
@@ -26,8 +27,9 @@ export interface GatewayOptions {
 }
 
 export interface Gateway {
-  /** Base URL of the API when the role serves it, e.g. http://127.0.0.1:8080 */
-  url: string | undefined;
+  /** Base URL of its HTTP server: the API, or for role "worker" only health and metrics. */
+  url: string;
+  metrics: Metrics;
   waiters: Waiters | undefined;
   keys: KeyCache | undefined;
   stop(): Promise<void>;
@@ -47,6 +49,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   let keys: KeyCache | undefined;
   let server: http.Server | undefined;
   let worker: WorkerService | undefined;
+  const metrics = new Metrics();
 
   const stop = async () => {
     if (server) {
@@ -71,17 +74,28 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       waiters = new Waiters(listener);
       keys = new KeyCache(listener);
       await listener.start();
-      const app = createApp({ config, pool: apiPool, db: createDb(apiPool), waiters, keys, logger });
+      const db = createDb(apiPool);
+      metrics.watchPool('api', apiPool);
+      metrics.watchWaiters(waiters);
+      metrics.watchQueue(db);
+      const app = createApp({ config, pool: apiPool, db, waiters, keys, metrics, logger });
       server = await listen(app.callback(), config);
     }
     if (role !== 'api') {
       workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
-      if (role === 'worker') await assertSchemaCurrent(workerPool);
+      const db = createDb(workerPool);
+      metrics.watchPool('worker', workerPool);
+      if (role === 'worker') {
+        await assertSchemaCurrent(workerPool);
+        metrics.watchQueue(db);
+        server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);
+      }
       const local = waiters;
       worker = await startWorkerService({
         config,
         pool: workerPool,
-        db: createDb(workerPool),
+        db,
+        metrics,
         logger,
         // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
         ...(local ? { onFinished: (id: string) => local.wake([id]) } : {}),
@@ -92,10 +106,10 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     throw error;
   }
 
-  const address = server?.address() as AddressInfo | undefined;
-  const url = address ? `http://${hostForUrl(address)}:${address.port}` : undefined;
+  const address = server!.address() as AddressInfo;
+  const url = `http://${hostForUrl(address)}:${address.port}`;
   logger.info({ role, url }, 'gateway started');
-  return { url, waiters, keys, stop };
+  return { url, metrics, waiters, keys, stop };
 }
 
 async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {

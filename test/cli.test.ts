@@ -72,6 +72,7 @@ t.test('migrate builds the schema, twice at once, and again with nothing left to
       'gateway.projects',
       'gateway.request_attempts',
       'gateway.requests',
+      'gateway.retention_cursors',
       'gateway.signature_nonces',
       'gateway.worker_pools',
     ],

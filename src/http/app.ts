@@ -1,6 +1,7 @@
 // createApp(deps): the whole HTTP API as a Koa app, built without listening so tests and
 // main.ts wire it the same way. Per route, the chain is:
 //   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
+// createOpsApp(deps): what a worker-only process serves: health and metrics.
 import Router from '@koa/router';
 import Koa from 'koa';
 import type pg from 'pg';
@@ -9,6 +10,7 @@ import type { Db } from '../db/pool.ts';
 import { methodNotAllowed } from '../errors.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
+import type { Metrics } from '../metrics.ts';
 import { InsertBatcher } from '../requests/insert-batcher.ts';
 import type { Waiters } from '../requests/waiters.ts';
 import { authenticate } from './auth.ts';
@@ -17,32 +19,37 @@ import type { GatewayState } from './context.ts';
 import { renderErrors } from './errors.ts';
 import { verifyRequestSignature } from './signature.ts';
 import { createCompletion } from './routes/completions.ts';
-import { healthz, readyz } from './routes/health.ts';
+import { healthz, metricsRoute, readyz } from './routes/ops.ts';
 import { getRequest } from './routes/requests.ts';
 
-export interface AppDeps {
+export interface OpsDeps {
   config: Config;
   pool: pg.Pool;
-  db: Db;
-  waiters: Waiters;
-  keys: KeyCache;
+  metrics: Metrics;
   logger: Logger;
 }
 
+export interface AppDeps extends OpsDeps {
+  db: Db;
+  waiters: Waiters;
+  keys: KeyCache;
+}
+
 export function createApp(deps: AppDeps): Koa<GatewayState> {
-  const app = new Koa<GatewayState>();
-  const router = new Router<GatewayState>();
+  const { app, router } = opsApp(deps);
   const requestDeps = {
     db: deps.db,
-    inserts: new InsertBatcher(deps.db, { maxInFlight: Math.max(1, Math.floor(deps.config.databasePoolSize / 3)) }),
+    inserts: new InsertBatcher(deps.db, {
+      maxInFlight: Math.max(1, Math.floor(deps.config.databasePoolSize / 3)),
+      onGroup: (size) => deps.metrics.insertGroupSize.observe(size),
+    }),
     waiters: deps.waiters,
+    metrics: deps.metrics,
     config: deps.config,
   };
   const signed = verifyRequestSignature(deps.config, deps.keys);
   const authenticated = authenticate(deps.db, deps.keys);
 
-  router.get('/healthz', healthz);
-  router.get('/readyz', readyz(deps.pool));
   router.post(
     '/v1/chat/completions',
     authenticated,
@@ -51,28 +58,47 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
     createCompletion(requestDeps),
   );
   router.get('/v1/requests/:id', authenticated, signed, getRequest(requestDeps));
+  return finish(app, router);
+}
 
-  app.use(accessLog(deps.logger));
+export function createOpsApp(deps: OpsDeps): Koa<GatewayState> {
+  const { app, router } = opsApp(deps);
+  return finish(app, router);
+}
+
+function opsApp(deps: OpsDeps) {
+  const app = new Koa<GatewayState>();
+  const router = new Router<GatewayState>();
+  router.get('/healthz', healthz);
+  router.get('/readyz', readyz(deps.pool));
+  router.get('/metrics', metricsRoute(deps.metrics, deps.config.metricsToken));
+  app.use(observe(deps.logger, deps.metrics));
   app.use(renderErrors(deps.logger));
+  return { app, router };
+}
+
+function finish(app: Koa<GatewayState>, router: Router<GatewayState>): Koa<GatewayState> {
   app.use(router.routes());
   app.use(router.allowedMethods({ throw: true, methodNotAllowed, notImplemented: methodNotAllowed }));
   return app;
 }
 
-/** One line per request: method, route pattern, status and duration; no headers, no bodies. */
-function accessLog(logger: Logger): Koa.Middleware {
+/**
+ * One log line and the HTTP metrics per request: method, route pattern, status and duration;
+ * no headers, no bodies, no ids.
+ */
+function observe(logger: Logger, metrics: Metrics): Koa.Middleware {
   const log = logger.child({ component: 'http' });
   return async (ctx, next) => {
     const started = performance.now();
     try {
       await next();
     } finally {
-      log.info({
-        method: ctx.method,
-        route: (ctx as { _matchedRoute?: string })._matchedRoute ?? null,
-        status: ctx.status,
-        ms: Math.round((performance.now() - started) * 10) / 10,
-      });
+      const seconds = (performance.now() - started) / 1000;
+      const route = (ctx as { _matchedRoute?: string })._matchedRoute ?? 'unmatched';
+      metrics.httpRequests.inc({ method: ctx.method, route, status: String(ctx.status) });
+      metrics.httpDuration.observe({ method: ctx.method, route }, seconds);
+      log.info({ method: ctx.method, route, status: ctx.status, ms: Math.round(seconds * 10_000) / 10 });
     }
   };
 }

@@ -19,12 +19,15 @@ export interface InsertBatcherOptions {
   maxInFlight?: number;
   /** Requests in one statement at most. */
   maxBatch?: number;
+  /** Told the size of every group written. */
+  onGroup?: (size: number) => void;
 }
 
 export class InsertBatcher {
   readonly #db: Db;
   readonly #maxInFlight: number;
   readonly #maxBatch: number;
+  readonly #onGroup: ((size: number) => void) | undefined;
   #pending: Pending[] = [];
   #inFlight = 0;
   /** Statements written and requests offered so far (requests / statements = mean group size). */
@@ -34,6 +37,7 @@ export class InsertBatcher {
     this.#db = db;
     this.#maxInFlight = options.maxInFlight ?? 2;
     this.#maxBatch = options.maxBatch ?? 500;
+    this.#onGroup = options.onGroup;
   }
 
   insert(request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
@@ -68,6 +72,7 @@ export class InsertBatcher {
     }
     this.stats.statements++;
     this.stats.requests += unique.length;
+    this.#onGroup?.(unique.length);
     try {
       const results = await insertRequests(this.#db, unique);
       unique.forEach((item, index) => item.resolve(results[index]!));

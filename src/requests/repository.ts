@@ -205,8 +205,8 @@ export async function claimAttempt(
 export async function findProgress(
   db: Db,
   id: string,
-): Promise<{ status: RequestStatus; attempts: number } | undefined> {
-  return db.selectFrom('requests').select(['status', 'attempts']).where('id', '=', id).executeTakeFirst();
+): Promise<{ status: RequestStatus; attempts: number; mode: KeyMode } | undefined> {
+  return db.selectFrom('requests').select(['status', 'attempts', 'mode']).where('id', '=', id).executeTakeFirst();
 }
 
 export interface AttemptReport {
@@ -289,4 +289,58 @@ export async function retryAttempt(
         run_at => retrying.next_attempt_at) as job
   `.execute(db);
   return rows.length === 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Retention. Request ids sort by creation time, so "created before" is a primary-key range.
+
+/** Deletes up to `limit` finished requests created before `cutoffId` (and their attempts). */
+export async function deleteFinishedBefore(db: Db, cutoffId: string, limit: number): Promise<number> {
+  const { rows } = await sql<{ deleted: string }>`
+    with doomed as (
+      select id from gateway.requests
+      where id < ${cutoffId} and status in ('completed', 'failed')
+      order by id
+      limit ${limit}
+      for update skip locked
+    ), deleted as (
+      delete from gateway.requests using doomed where requests.id = doomed.id
+      returning 1
+    )
+    select count(*) as deleted from deleted
+  `.execute(db);
+  return Number(rows[0]?.deleted ?? 0);
+}
+
+/**
+ * Drops the bodies of finished requests among the next `limit` ids after the task's cursor and
+ * before `cutoffId`, keeping the records; advances the cursor. Returns the bodies dropped and
+ * whether ids were left to look at.
+ */
+export async function dropBodiesBefore(
+  db: Db,
+  cutoffId: string,
+  limit: number,
+): Promise<{ dropped: number; more: boolean }> {
+  const { rows } = await sql<{ dropped: string; scanned: string }>`
+    with cursor as (
+      select coalesce(
+        (select last_request_id from gateway.retention_cursors where task = 'drop_bodies'), 'req_') as last_id
+    ), batch as (
+      select id from gateway.requests, cursor
+      where id > cursor.last_id and id < ${cutoffId}
+      order by id
+      limit ${limit}
+    ), dropped as (
+      update gateway.requests set body = null
+      where id in (select id from batch) and status in ('completed', 'failed') and body is not null
+      returning 1
+    ), moved as (
+      insert into gateway.retention_cursors (task, last_request_id)
+      select 'drop_bodies', max(id) from batch having count(*) > 0
+      on conflict (task) do update set last_request_id = excluded.last_request_id
+    )
+    select (select count(*) from dropped) as dropped, (select count(*) from batch) as scanned
+  `.execute(db);
+  return { dropped: Number(rows[0]?.dropped ?? 0), more: Number(rows[0]?.scanned ?? 0) === limit };
 }

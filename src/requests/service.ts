@@ -7,6 +7,7 @@ import { idempotencyKeyReused, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce } from '../keys/repository.ts';
 import type { Auth } from '../keys/service.ts';
+import type { Metrics } from '../metrics.ts';
 import { replayedRequest, SIGNATURE_WINDOW_SECONDS, type VerifiedSignature } from '../keys/signatures.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import * as repository from './repository.ts';
@@ -20,6 +21,7 @@ export interface RequestDeps {
   db: Db;
   inserts: InsertBatcher;
   waiters: Waiters;
+  metrics: Metrics;
   config: Pick<Config, 'waitTimeoutMs'>;
 }
 
@@ -87,7 +89,10 @@ async function store(
   for (let tries = 1; ; tries++) {
     const inserted = await deps.inserts.insert(request, tries === 1 ? nonce : undefined);
     if (inserted.kind === 'replayed_nonce') throw replayedRequest();
-    if (inserted.kind === 'inserted') return { answer: inserted.answer, replayed: false };
+    if (inserted.kind === 'inserted') {
+      deps.metrics.accepted.inc({ mode: auth.mode });
+      return { answer: inserted.answer, replayed: false };
+    }
 
     // The key is taken: by the time the insert gave way, the request holding it was committed.
     const existing = await repository.findAnswerByIdempotencyKey(deps.db, request, request.idempotency_key!);

@@ -12,6 +12,7 @@ import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { Logger } from '../logger.ts';
+import type { Metrics } from '../metrics.ts';
 import { ProcessRequestPayload } from '../requests/jobs.ts';
 import * as repository from '../requests/repository.ts';
 import type { AttemptFailure } from '../requests/repository.ts';
@@ -26,6 +27,7 @@ export interface ProcessRequestDeps {
     Config,
     'upstreamBaseUrl' | 'upstreamApiKey' | 'upstreamTimeoutMs' | 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs'
   >;
+  metrics: Metrics;
   logger: Logger;
   /** Called after a request reached completed or failed, to wake waiters in this process. */
   onFinished?: (id: string) => void;
@@ -70,6 +72,9 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
         upstreamStatus: null,
       };
     }
+    const result = outcome.ok ? 'succeeded' : 'failed';
+    deps.metrics.attempts.inc({ mode: claimed.mode, outcome: result, code: outcome.ok ? 'none' : outcome.code });
+    deps.metrics.upstreamDuration.observe({ mode: claimed.mode, outcome: result }, durationMs / 1000);
     await record(id, attempt, outcome, durationMs);
   };
 
@@ -127,6 +132,7 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
     // Terminal, already past this attempt, or gone: this job has nothing left to do.
     if (progress?.status !== 'processing' || progress.attempts !== attempt) return;
     log.warn({ requestId: id, attempt }, 'attempt lost with its worker; recording it and retrying');
+    deps.metrics.attempts.inc({ mode: progress.mode, outcome: 'failed', code: 'worker_lost' });
     await fail(id, attempt, {
       code: 'worker_lost',
       detail: 'the worker running this attempt stopped before recording its outcome',

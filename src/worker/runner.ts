@@ -5,15 +5,18 @@ import type pg from 'pg';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
+import type { Metrics } from '../metrics.ts';
 import { PROCESS_REQUEST } from '../requests/jobs.ts';
 import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
 import { graphileLogger } from './graphile-logger.ts';
+import { RETENTION, retentionTask } from './retention.ts';
 import { processRequestTask, type ProcessRequestDeps } from './process-request.ts';
 
 export interface WorkerDeps {
   config: Config;
   pool: pg.Pool;
   db: Db;
+  metrics: Metrics;
   logger: Logger;
   onFinished?: ProcessRequestDeps['onFinished'];
 }
@@ -36,15 +39,17 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
       },
     },
     logger: graphileLogger(deps.logger),
-    crontab: `*/5 * * * * ${CLEANUP_NONCES}`,
+    crontab: [`*/5 * * * * ${CLEANUP_NONCES}`, `*/10 * * * * ${RETENTION}`].join('\n'),
     taskList: {
       [PROCESS_REQUEST]: processRequestTask({
         db: deps.db,
         config: deps.config,
+        metrics: deps.metrics,
         logger: deps.logger,
         ...(deps.onFinished ? { onFinished: deps.onFinished } : {}),
       }),
       [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
+      [RETENTION]: retentionTask({ db: deps.db, config: deps.config, logger: deps.logger }),
     },
   };
 }

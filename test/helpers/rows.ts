@@ -32,6 +32,15 @@ export async function jobsFor(db: Db, requestId: string): Promise<{ attempt: num
   return rows;
 }
 
+/** Waits until the request has no job left (graphile-worker deletes finished jobs in batches). */
+export async function waitForNoJobs(db: Db, requestId: string, timeoutMs = 10_000): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  while ((await jobsFor(db, requestId)).length > 0) {
+    if (Date.now() > deadline) throw new Error(`request ${requestId} still has jobs`);
+    await new Promise((resolve) => setTimeout(resolve, 20));
+  }
+}
+
 /** Polls the row until `done` holds; fails with the last row seen after `timeoutMs`. */
 export async function waitForRow(
   db: Db,

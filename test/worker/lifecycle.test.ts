@@ -5,7 +5,7 @@ import t, { type Test } from 'tap';
 import * as repository from '../../src/requests/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { attemptRows, isTerminal, jobsFor, requestRow, waitForRow } from '../helpers/rows.ts';
+import { attemptRows, isTerminal, jobsFor, requestRow, waitForNoJobs, waitForRow } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
 
 /** An upstream whose every answer the test gives by hand. */
@@ -40,7 +40,8 @@ t.test('queued -> processing -> retrying -> processing -> completed', async (t) 
   const retrying = await waitForRow(api.db, id, (row) => row.status === 'retrying');
   t.match(retrying, { attempts: 1, last_error_code: 'upstream_rate_limited' }, 'retrying');
   t.ok(retrying.next_attempt_at && retrying.next_attempt_at > new Date(), 'with the next attempt due later');
-  t.same((await jobsFor(api.db, id)).map((job) => job.attempt), [2], 'and its job waiting');
+  // (attempt 1's job may linger an instant: graphile-worker records job ends in batches)
+  t.ok((await jobsFor(api.db, id)).some((job) => job.attempt === 2), 'and the next attempt\'s job waiting');
 
   t.match(await waitForRow(api.db, id, (row) => row.status === 'processing' && row.attempts === 2), {
     next_attempt_at: null,
@@ -48,7 +49,8 @@ t.test('queued -> processing -> retrying -> processing -> completed', async (t) 
   await upstream.answer({ status: 200, json: completionFor({ messages: [{ content: 'x' }] }) });
   const completed = await waitForRow(api.db, id, isTerminal);
   t.match(completed, { status: 'completed', attempts: 2, last_error_code: 'upstream_rate_limited' }, 'completed');
-  t.same((await jobsFor(api.db, id)), [], 'no job left');
+  await waitForNoJobs(api.db, id);
+  t.pass('no job left');
 });
 
 t.test('processing -> failed', async (t) => {
@@ -84,10 +86,7 @@ t.test('a terminal request is never run again, whatever jobs name it', async (t)
       [id, attempt],
     );
   }
-  for (let waited = 0; (await jobsFor(gateway.db, id)).length > 0; waited += 20) {
-    if (waited > 10_000) throw new Error('stray jobs were not run');
-    await new Promise((resolve) => setTimeout(resolve, 20));
-  }
+  await waitForNoJobs(gateway.db, id);
   t.same(await requestRow(gateway.db, id), before, 'the row did not change');
   t.equal(upstream.calls.length, 1, 'the upstream was called once');
   t.equal((await attemptRows(gateway.db, id)).length, 1);

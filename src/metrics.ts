@@ -1,0 +1,129 @@
+// Prometheus metrics (prom-client), one registry per gateway. Labels are routes, methods,
+// statuses, modes, outcomes and error codes: never a key, id, project or message.
+import client from 'prom-client';
+import { sql } from 'kysely';
+import type pg from 'pg';
+import type { Db } from './db/pool.ts';
+import type { Waiters } from './requests/waiters.ts';
+
+const PREFIX = 'gateway_';
+
+export class Metrics {
+  readonly registry = new client.Registry();
+
+  readonly httpRequests = new client.Counter({
+    name: `${PREFIX}http_requests_total`,
+    help: 'HTTP requests answered, by method, route pattern and status.',
+    labelNames: ['method', 'route', 'status'] as const,
+    registers: [this.registry],
+  });
+
+  readonly httpDuration = new client.Histogram({
+    name: `${PREFIX}http_request_duration_seconds`,
+    help: 'Time to answer an HTTP request (a wait=true request includes its wait).',
+    labelNames: ['method', 'route'] as const,
+    buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
+    registers: [this.registry],
+  });
+
+  readonly accepted = new client.Counter({
+    name: `${PREFIX}requests_accepted_total`,
+    help: 'Chat completion requests accepted and stored (idempotent replays excluded), by key mode.',
+    labelNames: ['mode'] as const,
+    registers: [this.registry],
+  });
+
+  readonly insertGroupSize = new client.Histogram({
+    name: `${PREFIX}insert_group_size`,
+    help: 'Requests written per insert statement (group commit), idempotent replays included.',
+    buckets: [1, 2, 5, 10, 25, 50, 100, 250, 500],
+    registers: [this.registry],
+  });
+
+  readonly attempts = new client.Counter({
+    name: `${PREFIX}attempts_total`,
+    help: 'Attempts finished, by mode, outcome (succeeded, failed) and error code ("none" when it succeeded).',
+    labelNames: ['mode', 'outcome', 'code'] as const,
+    registers: [this.registry],
+  });
+
+  readonly upstreamDuration = new client.Histogram({
+    name: `${PREFIX}upstream_duration_seconds`,
+    help: 'Time of the upstream call (the simulator in test mode), by mode and outcome.',
+    labelNames: ['mode', 'outcome'] as const,
+    buckets: [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120],
+    registers: [this.registry],
+  });
+
+  readonly #pools = new Map<string, pg.Pool>();
+
+  constructor() {
+    client.collectDefaultMetrics({ register: this.registry, prefix: PREFIX });
+    const pools = this.#pools;
+    new client.Gauge({
+      name: `${PREFIX}db_pool_connections`,
+      help: 'Database pool connections by state: in_use, idle, and waiting (callers queued for one).',
+      labelNames: ['pool', 'state'] as const,
+      registers: [this.registry],
+      collect() {
+        for (const [name, pool] of pools) {
+          this.set({ pool: name, state: 'in_use' }, pool.totalCount - pool.idleCount);
+          this.set({ pool: name, state: 'idle' }, pool.idleCount);
+          this.set({ pool: name, state: 'waiting' }, pool.waitingCount);
+        }
+      },
+    });
+  }
+
+  /** gateway_waiters: wait=true requests held open in this process. */
+  watchWaiters(waiters: Waiters): void {
+    new client.Gauge({
+      name: `${PREFIX}waiters`,
+      help: 'wait=true requests currently held open by this process.',
+      registers: [this.registry],
+      collect() {
+        this.set(waiters.size);
+      },
+    });
+  }
+
+  /** gateway_db_pool_connections{pool,state}: in use, idle, and callers waiting for a connection. */
+  watchPool(name: string, pool: pg.Pool): void {
+    this.#pools.set(name, pool);
+  }
+
+  /**
+   * gateway_requests{status,mode}: requests not finished yet, read from the database at each
+   * scrape (the same figure in every process: aggregate it with max, not sum).
+   */
+  watchQueue(db: Db): void {
+    new client.Gauge({
+      name: `${PREFIX}requests`,
+      help: 'Requests not finished yet (the queue), by status and mode, as the database has them.',
+      labelNames: ['status', 'mode'] as const,
+      registers: [this.registry],
+      async collect() {
+        const { rows } = await sql<{ status: string; mode: string; count: string }>`
+          select status, mode, count(*) as count from gateway.requests
+          where status in ('queued', 'processing', 'retrying')
+          group by status, mode
+        `.execute(db);
+        this.reset();
+        for (const status of ['queued', 'processing', 'retrying']) {
+          for (const mode of ['live', 'test']) {
+            const row = rows.find((r) => r.status === status && r.mode === mode);
+            this.set({ status, mode }, Number(row?.count ?? 0));
+          }
+        }
+      },
+    });
+  }
+
+  render(): Promise<string> {
+    return this.registry.metrics();
+  }
+
+  get contentType(): string {
+    return this.registry.contentType;
+  }
+}

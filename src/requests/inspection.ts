@@ -1,0 +1,116 @@
+// SQL for operators: listings and the views of sql/000005.sql, read by `gateway requests` and
+// `gateway stats` (and by psql users directly).
+import { sql } from 'kysely';
+import type { RequestStatus } from '../db/database.ts';
+import type { Db } from '../db/pool.ts';
+import type { KeyMode } from '../ids.ts';
+
+export interface RequestSummary {
+  id: string;
+  project: string;
+  mode: KeyMode;
+  status: RequestStatus;
+  attempts: number;
+  last_error_code: string | null;
+  model: string;
+  created_at: Date;
+}
+
+/** Newest first. */
+export async function listRequests(
+  db: Db,
+  filter: { status?: RequestStatus; project?: string; mode?: KeyMode; limit: number },
+): Promise<RequestSummary[]> {
+  let query = db
+    .selectFrom('requests')
+    .innerJoin('projects', 'projects.id', 'requests.project_id')
+    .select([
+      'requests.id',
+      'projects.name as project',
+      'requests.mode',
+      'requests.status',
+      'requests.attempts',
+      'requests.last_error_code',
+      'requests.model',
+      'requests.created_at',
+    ])
+    .orderBy('requests.id', 'desc')
+    .limit(filter.limit);
+  if (filter.status) query = query.where('requests.status', '=', filter.status);
+  if (filter.project) query = query.where('projects.name', '=', filter.project);
+  if (filter.mode) query = query.where('requests.mode', '=', filter.mode);
+  return query.execute();
+}
+
+export async function findRequestDetail(db: Db, id: string) {
+  const request = await db
+    .selectFrom('requests')
+    .innerJoin('projects', 'projects.id', 'requests.project_id')
+    .select([
+      'requests.id',
+      'projects.name as project',
+      'requests.mode',
+      'requests.status',
+      'requests.attempts',
+      'requests.last_error_code',
+      'requests.model',
+      'requests.idempotency_key',
+      'requests.api_key_id',
+      'requests.created_at',
+      'requests.updated_at',
+      'requests.next_attempt_at',
+      'requests.finished_at',
+      'requests.result',
+      sql<boolean>`requests.body is not null`.as('body_kept'),
+    ])
+    .where('requests.id', '=', id)
+    .executeTakeFirst();
+  if (!request) return undefined;
+  const attempts = await db
+    .selectFrom('request_attempts')
+    .select([
+      'attempt_number',
+      'outcome',
+      'error_code',
+      'upstream_status',
+      'duration_ms',
+      'started_at',
+      'finished_at',
+      'worker_id',
+      'error_detail',
+    ])
+    .where('request_id', '=', id)
+    .orderBy('attempt_number')
+    .execute();
+  return { request, attempts };
+}
+
+export async function stats(db: Db) {
+  const [counts, waiting, errors, pools] = await Promise.all([
+    sql<{ project: string; mode: KeyMode; status: RequestStatus; requests: string }>`
+      select project, mode, status, requests from gateway.request_counts
+    `.execute(db),
+    sql<{ waiting: string; oldest_created_at: Date | null }>`
+      select count(*) as waiting, min(created_at) as oldest_created_at from gateway.waiting_requests
+    `.execute(db),
+    sql<{ error_code: string; mode: KeyMode; failed_attempts: string; requests: string; last_seen_at: Date }>`
+      select * from gateway.recent_errors
+    `.execute(db),
+    sql<{ id: string; hostname: string; pid: number; started_at: Date; last_seen_at: Date }>`
+      select id, hostname, pid, started_at, last_seen_at from gateway.worker_pools order by started_at
+    `.execute(db),
+  ]);
+  return {
+    requests: counts.rows.map((row) => ({ ...row, requests: Number(row.requests) })),
+    waiting: {
+      requests: Number(waiting.rows[0]?.waiting ?? 0),
+      oldest_created_at: waiting.rows[0]?.oldest_created_at ?? null,
+    },
+    errors_last_hour: errors.rows.map((row) => ({
+      ...row,
+      failed_attempts: Number(row.failed_attempts),
+      requests: Number(row.requests),
+    })),
+    worker_pools: pools.rows,
+  };
+}

@@ -1,0 +1,42 @@
+// Cron task: keeps the database from growing without bound. Deletes finished requests (and
+// their attempts) created more than RETENTION_DAYS ago, which frees their idempotency keys;
+// with BODY_RETENTION_HOURS set, drops the message bodies of finished requests older than that
+// while keeping their records. Small batches, each its own short transaction.
+import type { Task } from 'graphile-worker';
+import type { Config } from '../config.ts';
+import type { Db } from '../db/pool.ts';
+import { requestIdFloor } from '../ids.ts';
+import type { Logger } from '../logger.ts';
+import { deleteFinishedBefore, dropBodiesBefore } from '../requests/repository.ts';
+
+export const RETENTION = 'retention';
+const BATCH = 1_000;
+const HOUR_MS = 3_600_000;
+
+export function retentionTask(deps: {
+  db: Db;
+  config: Pick<Config, 'retentionDays' | 'bodyRetentionHours'>;
+  logger: Logger;
+}): Task {
+  return async () => {
+    const now = Date.now();
+    let deleted = 0;
+    const cutoff = requestIdFloor(now - deps.config.retentionDays * 24 * HOUR_MS);
+    for (let batch = BATCH; batch === BATCH; deleted += batch) {
+      batch = await deleteFinishedBefore(deps.db, cutoff, BATCH);
+    }
+
+    let dropped = 0;
+    if (deps.config.bodyRetentionHours !== undefined) {
+      const bodyCutoff = requestIdFloor(now - deps.config.bodyRetentionHours * HOUR_MS);
+      for (let more = true; more; ) {
+        const step = await dropBodiesBefore(deps.db, bodyCutoff, BATCH);
+        dropped += step.dropped;
+        more = step.more;
+      }
+    }
+    if (deleted > 0 || dropped > 0) {
+      deps.logger.info({ component: 'retention', deleted, bodiesDropped: dropped }, 'retention applied');
+    }
+  };
+}

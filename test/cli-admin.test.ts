@@ -1,0 +1,64 @@
+// gateway requests show | list and gateway stats, run as processes against a working
+// gateway's database.
+import { execFile } from 'node:child_process';
+import { promisify } from 'node:util';
+import t from 'tap';
+import { startTestGateway } from './helpers/gateway.ts';
+import { clientFor, userMessage } from './helpers/http.ts';
+import { isTerminal, waitForRow } from './helpers/rows.ts';
+
+const CLI = new URL('../src/cli.ts', import.meta.url).pathname;
+
+t.test('requests show, requests list and stats', async (t) => {
+  const gateway = await startTestGateway(t, { env: { MAX_ATTEMPTS: '3' } });
+  const alpha = clientFor(gateway.url, await gateway.createKey({ project: 'alpha' }));
+  const beta = clientFor(gateway.url, await gateway.createKey({ project: 'beta', mode: 'live' }));
+  const flaky = (await alpha.post({ model: 'test-fail-1', messages: userMessage(), idempotency_key: 'flaky-1' })).body.id;
+  const broken = (await alpha.post({ model: 'test-error-400', messages: userMessage() })).body.id;
+  const live = (await beta.post({ model: 'gpt-x', messages: userMessage() })).body.id; // fails: no upstream here
+  for (const id of [flaky, broken, live]) await waitForRow(gateway.db, id, isTerminal);
+
+  const run = async (...args: string[]) => {
+    const { stdout } = await promisify(execFile)(process.execPath, [CLI, ...args], {
+      env: { ...process.env, DATABASE_URL: gateway.databaseUrl, LOG_LEVEL: 'warn' },
+    });
+    return stdout;
+  };
+
+  const shown = JSON.parse(await run('requests', 'show', flaky, '--json'));
+  t.match(shown.request, { id: flaky, project: 'alpha', mode: 'test', status: 'completed', attempts: 2, idempotency_key: 'flaky-1' });
+  t.match(shown.attempts, [
+    { attempt_number: 1, outcome: 'failed', error_code: 'upstream_server_error' },
+    { attempt_number: 2, outcome: 'succeeded' },
+  ]);
+  const human = await run('requests', 'show', flaky);
+  t.match(human, new RegExp(`^Request ${flaky}`));
+  t.match(human, /status\s+completed/);
+  t.match(human, /^#\s+outcome\s+error_code/m);
+
+  const all = JSON.parse(await run('requests', 'list', '--json'));
+  t.same(all.map((row: { id: string }) => row.id), [live, broken, flaky], 'newest first');
+  const failedAlpha = JSON.parse(await run('requests', 'list', '--status', 'failed', '--project', 'alpha', '--json'));
+  t.same(failedAlpha.map((row: { id: string }) => row.id), [broken]);
+  t.same(JSON.parse(await run('requests', 'list', '--mode', 'live', '--limit', '1', '--json')).length, 1);
+  t.match(await run('requests', 'list'), /^id\s+project\s+mode\s+status\s+attempts/);
+
+  const stats = JSON.parse(await run('stats', '--json'));
+  t.same(
+    stats.requests.map((row: { project: string; mode: string; status: string; requests: number }) => [row.project, row.mode, row.status, row.requests]),
+    [
+      ['alpha', 'test', 'completed', 1],
+      ['alpha', 'test', 'failed', 1],
+      ['beta', 'live', 'failed', 1],
+    ],
+  );
+  t.equal(stats.waiting.requests, 0);
+  t.ok(stats.errors_last_hour.some((row: { error_code: string }) => row.error_code === 'upstream_bad_request'));
+  t.equal(stats.worker_pools.length, 1, 'the running worker pool');
+  const table = await run('stats');
+  t.match(table, /Requests by project, mode and status/);
+  t.match(table, /Worker pools/);
+
+  await t.rejects(run('requests', 'show', 'req_00000000000000000000'), /No request with id/);
+  await t.rejects(run('requests', 'list', '--status', 'done'), /--status must be/);
+});

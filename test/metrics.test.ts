@@ -1,0 +1,109 @@
+// GET /metrics (Prometheus): after a known mix of requests, every family has the right counts,
+// no label carries a key, secret or project, and METRICS_TOKEN guards it when set.
+import t from 'tap';
+import { startTestGateway } from './helpers/gateway.ts';
+import { clientFor, send, userMessage } from './helpers/http.ts';
+import { isTerminal, waitForRow } from './helpers/rows.ts';
+import { completionFor, startFakeUpstream } from './helpers/upstream.ts';
+
+/** Samples of the exposition format, as "name{labels}" -> value. */
+function parse(text: string): Map<string, number> {
+  const samples = new Map<string, number>();
+  for (const line of text.split('\n')) {
+    if (line === '' || line.startsWith('#')) continue;
+    const at = line.lastIndexOf(' ');
+    samples.set(line.slice(0, at), Number(line.slice(at + 1)));
+  }
+  return samples;
+}
+
+const scrape = async (url: string, headers: Record<string, string> = {}) =>
+  parse((await send(url, { path: '/metrics', headers })).text);
+
+t.test('each metric family counts what happened', async (t) => {
+  const upstream = await startFakeUpstream(t, (call) => ({ status: 200, json: completionFor(call.body) }));
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+  const testKey = await gateway.createKey({ project: 'metrics-project', mode: 'test' });
+  const liveKey = await gateway.createKey({ project: 'metrics-project', mode: 'live' });
+  const test = clientFor(gateway.url, testKey);
+  const live = clientFor(gateway.url, liveKey);
+
+  const ids: string[] = [];
+  for (const [index, model] of ['test-echo', 'test-echo', 'test-error-400'].entries()) {
+    ids.push((await test.post({ model, messages: userMessage('secret message content'), idempotency_key: `k${index}` })).body.id);
+  }
+  ids.push((await live.post({ model: 'gpt-x', messages: userMessage() })).body.id);
+  await test.post({ model: 'test-echo', messages: userMessage('secret message content'), idempotency_key: 'k0' }); // a replay
+  await test.post({ model: 'test-echo', messages: [] }); // 400
+  await send(gateway.url, { path: '/v1/chat/completions', body: { model: 'm', messages: userMessage() } }); // 401
+  for (const id of ids) await waitForRow(gateway.db, id, isTerminal);
+  await test.get(ids[0]!);
+  await test.get('req_00000000000000000000'); // 404
+
+  const text = (await send(gateway.url, { path: '/metrics' })).text;
+  const m = parse(text);
+  const value = (sample: string) => m.get(sample) ?? 0;
+  const post = 'method="POST",route="/v1/chat/completions"';
+  t.equal(value(`gateway_http_requests_total{${post},status="202"}`), 5, '5 acknowledgements (one a replay)');
+  t.equal(value(`gateway_http_requests_total{${post},status="400"}`), 1);
+  t.equal(value(`gateway_http_requests_total{${post},status="401"}`), 1);
+  t.equal(value('gateway_http_requests_total{method="GET",route="/v1/requests/:id",status="200"}'), 1);
+  t.equal(value('gateway_http_requests_total{method="GET",route="/v1/requests/:id",status="404"}'), 1);
+  t.equal(value(`gateway_http_request_duration_seconds_count{${post}}`), 7, 'every POST timed');
+  t.equal(value('gateway_requests_accepted_total{mode="test"}'), 3, 'replays are not counted');
+  t.equal(value('gateway_requests_accepted_total{mode="live"}'), 1);
+  t.equal(value('gateway_attempts_total{mode="test",outcome="succeeded",code="none"}'), 2);
+  t.equal(value('gateway_attempts_total{mode="test",outcome="failed",code="upstream_bad_request"}'), 1);
+  t.equal(value('gateway_attempts_total{mode="live",outcome="succeeded",code="none"}'), 1);
+  t.equal(value('gateway_upstream_duration_seconds_count{mode="test",outcome="succeeded"}'), 2);
+  t.equal(value('gateway_upstream_duration_seconds_count{mode="live",outcome="succeeded"}'), 1);
+  t.equal(value('gateway_insert_group_size_sum'), 5, 'five requests written (the replay among them)');
+  t.equal(value('gateway_waiters'), 0);
+  t.ok(m.has('gateway_db_pool_connections{pool="api",state="idle"}'));
+  t.ok(m.has('gateway_db_pool_connections{pool="worker",state="in_use"}'));
+  t.equal(value('gateway_requests{status="queued",mode="test"}'), 0, 'nothing left in the queue');
+  t.ok(m.has('gateway_process_resident_memory_bytes'), 'process metrics too');
+
+  for (const secret of [testKey.api_key, testKey.signing_secret, liveKey.api_key, 'metrics-project', 'secret message content', testKey.id]) {
+    t.notOk(text.includes(secret), `no "${secret.slice(0, 12)}..." in the metrics`);
+  }
+});
+
+t.test('the queue and the waiters, as they are', async (t) => {
+  const api = await startTestGateway(t, { role: 'api', env: { WAIT_TIMEOUT_MS: '20000' } });
+  const client = clientFor(api.url, await api.createKey());
+  for (let i = 0; i < 3; i++) await client.post({ model: 'test-echo', messages: userMessage() });
+  const waiting = client.post({ model: 'test-echo', messages: userMessage(), wait: true });
+  for (let i = 0; api.waiters!.size === 0; i++) {
+    if (i > 300) throw new Error('never waited');
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+  const m = await scrape(api.url);
+  t.equal(m.get('gateway_requests{status="queued",mode="test"}'), 4, 'no worker: four queued');
+  t.equal(m.get('gateway_requests{status="processing",mode="test"}'), 0);
+  t.equal(m.get('gateway_waiters'), 1);
+
+  // A worker-only process serves its own metrics.
+  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
+  t.equal((await waiting).status, 200);
+  const { rows } = await api.pool.query('select id from gateway.requests');
+  for (const row of rows) await waitForRow(api.db, row.id, isTerminal);
+  const workerMetrics = await scrape(worker.url);
+  t.equal(workerMetrics.get('gateway_attempts_total{mode="test",outcome="succeeded",code="none"}'), 4);
+  t.equal(workerMetrics.get('gateway_requests{status="queued",mode="test"}'), 0);
+  t.equal((await send(worker.url, { path: '/v1/chat/completions', body: {} })).status, 404, 'a worker serves no API');
+});
+
+t.test('METRICS_TOKEN guards the metrics', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { METRICS_TOKEN: 'scrape-token-123' } });
+  const none = await send(gateway.url, { path: '/metrics' });
+  t.equal(none.status, 401);
+  t.equal(none.body.error.code, 'missing_api_key');
+  const wrong = await send(gateway.url, { path: '/metrics', headers: { authorization: 'Bearer nope' } });
+  t.equal(wrong.status, 401);
+  t.equal(wrong.body.error.code, 'invalid_api_key');
+  const right = await send(gateway.url, { path: '/metrics', headers: { authorization: 'Bearer scrape-token-123' } });
+  t.equal(right.status, 200);
+  t.match(right.headers.get('content-type'), /^text\/plain/);
+  t.match(right.text, /# TYPE gateway_http_requests_total counter/);
+});

@@ -1,0 +1,88 @@
+// The psql views (sql/000005.sql) answer correctly against a populated database, and every
+// query of the README's "Inspecting with psql" section runs as written.
+import { readFile } from 'node:fs/promises';
+import t from 'tap';
+import { startTestGateway } from './helpers/gateway.ts';
+import { plantRequest } from './helpers/populate.ts';
+
+const MINUTE = 60_000;
+
+t.test('the views', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const alpha = await gateway.createKey({ project: 'alpha', mode: 'test' });
+  const beta = await gateway.createKey({ project: 'beta', mode: 'live' });
+  const completed = await plantRequest(gateway, alpha, {
+    status: 'completed',
+    ageMs: 10 * MINUTE,
+    attempts: [{ outcome: 'failed', code: 'upstream_server_error', finishedAgoMs: 9 * MINUTE }, { outcome: 'succeeded' }],
+  });
+  await plantRequest(gateway, alpha, { status: 'completed', ageMs: 5 * MINUTE, attempts: [{ outcome: 'succeeded' }] });
+  await plantRequest(gateway, alpha, {
+    status: 'failed',
+    ageMs: 3 * MINUTE,
+    attempts: [{ outcome: 'failed', code: 'upstream_bad_request', finishedAgoMs: 2 * MINUTE }],
+  });
+  await plantRequest(gateway, alpha, {
+    status: 'failed',
+    ageMs: 3 * 60 * MINUTE,
+    attempts: [{ outcome: 'failed', code: 'upstream_bad_request', finishedAgoMs: 2 * 60 * MINUTE }],
+  });
+  const oldestWaiting = await plantRequest(gateway, beta, { status: 'queued', ageMs: 20 * MINUTE, mode: 'live' });
+  const retrying = await plantRequest(gateway, beta, {
+    status: 'retrying',
+    ageMs: 7 * MINUTE,
+    mode: 'live',
+    attempts: [{ outcome: 'failed', code: 'upstream_rate_limited', finishedAgoMs: MINUTE }],
+  });
+  const query = async (text: string, values: unknown[] = []) => (await gateway.pool.query(text, values)).rows;
+
+  t.same(
+    (await query('select project, mode, status, requests::int from gateway.request_counts')),
+    [
+      { project: 'alpha', mode: 'test', status: 'completed', requests: 2 },
+      { project: 'alpha', mode: 'test', status: 'failed', requests: 2 },
+      { project: 'beta', mode: 'live', status: 'queued', requests: 1 },
+      { project: 'beta', mode: 'live', status: 'retrying', requests: 1 },
+    ],
+  );
+
+  const waiting = await query('select * from gateway.waiting_requests');
+  t.same(waiting.map((row) => row.id), [oldestWaiting.id, retrying.id], 'unfinished only, oldest first');
+  t.match(waiting[1], { project: 'beta', status: 'retrying', attempts: 1, last_error_code: 'upstream_rate_limited' });
+  t.ok(waiting[0].waiting_for.minutes >= 19, 'waiting_for is the time since acceptance');
+
+  t.same(
+    (await query('select error_code, mode, failed_attempts::int, requests::int from gateway.recent_errors')),
+    [
+      { error_code: 'upstream_bad_request', mode: 'test', failed_attempts: 1, requests: 1 },
+      { error_code: 'upstream_rate_limited', mode: 'live', failed_attempts: 1, requests: 1 },
+      { error_code: 'upstream_server_error', mode: 'test', failed_attempts: 1, requests: 1 },
+    ],
+    'the last hour only: the failure of two hours ago is not there',
+  );
+
+  const history = await query('select * from gateway.attempt_history where request_id = $1', [completed.id]);
+  t.match(history, [
+    { attempt_number: 1, outcome: 'failed', error_code: 'upstream_server_error', request_status: 'completed' },
+    { attempt_number: 2, outcome: 'succeeded', error_code: null, upstream_status: 200 },
+  ]);
+});
+
+t.test("every query of the README's psql section runs as written", async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  await plantRequest(gateway, key, { status: 'completed', attempts: [{ outcome: 'succeeded' }] });
+  const readme = await readFile(new URL('../README.md', import.meta.url), 'utf8');
+  const section = readme.slice(readme.indexOf('### Inspecting with psql'), readme.indexOf('\n## ', readme.indexOf('### Inspecting with psql')));
+  const blocks = [...section.matchAll(/```sql\n([\s\S]*?)```/g)].map((match) => match[1]!);
+  const statements = blocks.flatMap((block) =>
+    block
+      .split(/;\s*\n/)
+      .map((statement) => statement.replace(/^--.*$/gm, '').trim())
+      .filter(Boolean),
+  );
+  t.ok(statements.length >= 9, `${statements.length} queries found`);
+  for (const statement of statements) {
+    await t.resolves(gateway.pool.query(statement), statement.split('\n')[0]!);
+  }
+});

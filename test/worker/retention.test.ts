@@ -1,0 +1,97 @@
+// Retention: finished requests past RETENTION_DAYS are deleted with their attempts (their
+// idempotency keys freed); nothing unfinished or younger is touched; BODY_RETENTION_HOURS
+// drops bodies and keeps records.
+import t from 'tap';
+import { createLogger } from '../../src/logger.ts';
+import { retentionTask } from '../../src/worker/retention.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
+import { plantRequest } from '../helpers/populate.ts';
+
+const DAY = 24 * 3_600_000;
+const silent = createLogger({ logLevel: 'silent' });
+
+t.test('only finished requests older than RETENTION_DAYS go, with their attempts', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const old = { ageMs: 31 * DAY, attempts: [{ outcome: 'succeeded' as const }] };
+  const doomed = [
+    await plantRequest(gateway, key, { status: 'completed', ...old, idempotencyKey: 'reusable' }),
+    await plantRequest(gateway, key, { status: 'failed', ageMs: 40 * DAY, attempts: [{ outcome: 'failed', code: 'upstream_bad_request' }] }),
+  ];
+  const kept = [
+    await plantRequest(gateway, key, { status: 'completed', ageMs: 29 * DAY, attempts: [{ outcome: 'succeeded' }] }),
+    await plantRequest(gateway, key, { status: 'queued', ageMs: 45 * DAY }),
+    await plantRequest(gateway, key, { status: 'retrying', ageMs: 45 * DAY, attempts: [{ outcome: 'failed', code: 'upstream_timeout' }] }),
+    await plantRequest(gateway, key, { status: 'processing', ageMs: 45 * DAY, attempts: [{ outcome: 'running' }] }),
+    await plantRequest(gateway, key, { status: 'completed', ageMs: 0 }),
+  ];
+  // More than one batch of old finished requests.
+  for (let i = 0; i < 1_100; i += 100) {
+    await gateway.pool.query(
+      `insert into gateway.requests (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, result, created_at, finished_at)
+       select 'req_00000' || lpad((${i} + n)::text, 21, '0'), project_id, 'test', id, 'completed', 1, 'm', '{}', '\\x00', '{}', now() - interval '60 days', now() - interval '60 days'
+       from gateway.api_keys, generate_series(1, 100) as n where id = $1`,
+      [key.id],
+    );
+  }
+
+  await retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: undefined }, logger: silent })({}, {} as never);
+
+  const { rows } = await gateway.pool.query('select id from gateway.requests order by id');
+  t.same(rows.map((row) => row.id).sort(), kept.map((request) => request.id).sort(), 'exactly the young and the unfinished remain');
+  const attempts = await gateway.pool.query('select distinct request_id from gateway.request_attempts');
+  t.same(
+    attempts.rows.map((row) => row.request_id).sort(),
+    [kept[0]!.id, kept[2]!.id, kept[3]!.id].sort(),
+    'the deleted requests\' attempts went with them',
+  );
+  t.notOk(doomed.some((request) => rows.some((row) => row.id === request.id)));
+
+  // The idempotency key of a deleted request is free: the same key with another body is new.
+  const fresh = await clientFor(gateway.url, await gateway.createKey({ project: 'test-project' })).post({
+    model: 'another-model',
+    messages: userMessage('a different body'),
+    idempotency_key: 'reusable',
+  });
+  t.equal(fresh.status, 202, 'not 422: the key was freed');
+  t.equal(fresh.headers.get('idempotent-replayed'), null);
+});
+
+t.test('BODY_RETENTION_HOURS drops old finished bodies and keeps the records', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const dropped = await plantRequest(gateway, key, { status: 'completed', ageMs: 3 * 3_600_000 });
+  const failedDropped = await plantRequest(gateway, key, { status: 'failed', ageMs: 5 * 3_600_000 });
+  const young = await plantRequest(gateway, key, { status: 'completed', ageMs: 30 * 60_000 });
+  const unfinished = await plantRequest(gateway, key, { status: 'retrying', ageMs: 4 * 3_600_000 });
+  const task = retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: 2 }, logger: silent });
+
+  await task({}, {} as never);
+  const bodies = async () =>
+    Object.fromEntries(
+      (await gateway.pool.query('select id, body is not null as kept, status from gateway.requests')).rows.map((row) => [row.id, row.kept]),
+    );
+  t.same(await bodies(), {
+    [dropped.id]: false,
+    [failedDropped.id]: false,
+    [young.id]: true,
+    [unfinished.id]: true,
+  });
+  const { rows } = await gateway.pool.query('select result, body_sha256 from gateway.requests where id = $1', [dropped.id]);
+  t.ok(rows[0].result && rows[0].body_sha256, 'the record, its result and its body hash stay');
+
+  const cursor = await gateway.pool.query(`select last_request_id from gateway.retention_cursors where task = 'drop_bodies'`);
+  t.equal(cursor.rows[0].last_request_id, dropped.id, 'the cursor stopped at the newest id past the cutoff');
+
+  // The next run starts from the cursor and finds the requests that came of age since.
+  const later = await plantRequest(gateway, key, { status: 'completed', ageMs: 2.5 * 3_600_000 });
+  await task({}, {} as never);
+  t.same(await bodies(), {
+    [dropped.id]: false,
+    [failedDropped.id]: false,
+    [young.id]: true,
+    [unfinished.id]: true,
+    [later.id]: false,
+  });
+});
