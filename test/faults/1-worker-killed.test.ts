@@ -5,7 +5,7 @@ import t from 'tap';
 import { call, inBatches, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { sleep, waitFor } from './support/processes.ts';
-import { countWhere, lifecycleProblems, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
+import { countWhere, lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
 import { privateContent } from './support/run.ts';
 
 const REQUESTS = 500;
@@ -59,6 +59,7 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt and r
   const allEndedAfterMs = Date.now() - killedAt;
   t.ok(outcome.done, `all 500 requests ended (left: ${outcome.left}, by status: ${JSON.stringify(outcome.byStatus)})`);
   t.comment(`all ended ${allEndedAfterMs} ms after the kill (or gave up waiting, with ${outcome.left} left)`);
+  if (!outcome.done) t.comment(await queueSummary(faults.pool));
 
   // Time for a stray job to run a request again, were there one.
   await sleep(2_000);
@@ -126,4 +127,6 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt and r
     [],
     'no ended request was attempted again',
   );
+
+  await faults.finish(t);
 });

@@ -5,7 +5,7 @@ import t from 'tap';
 import { call, loadLoops, spread, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { sleep } from './support/processes.ts';
-import { lifecycleProblems, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
+import { lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
 import { privateContent } from './support/run.ts';
 
 t.test('the API killed with SIGKILL under load: every id a client received exists and completes', async (t) => {
@@ -67,6 +67,7 @@ t.test('the API killed with SIGKILL under load: every id a client received exist
   const ids = acknowledged.map((answer) => answer.body.id as string);
   const ended = await waitUntilTerminal(faults.pool, ids, 30_000);
   t.ok(ended.done, `every acknowledged id ended (left: ${ended.left}, by status: ${JSON.stringify(ended.byStatus)})`);
+  if (!ended.done) t.comment(await queueSummary(faults.pool));
   const stored = await requestsWithAttempts(faults.pool);
   const byId = new Map(stored.map((request) => [request.id, request]));
   const byCompletionId = new Map(stored.flatMap((request) => (request.result ? [[request.result.id as string, request]] : [])));
@@ -99,4 +100,6 @@ t.test('the API killed with SIGKILL under load: every id a client received exist
   const unacknowledged = stored.filter((request) => !requestIds.includes(request.id));
   t.comment(`${stored.length} requests stored: ${received.length} answered (${acknowledged.length} with 202, ${completions.length} with 200), ${unacknowledged.length} committed but cut off before their answer (${tally(unacknowledged.map((request) => request.status))})`);
   t.comment(`answered 202 in: ${spread(acknowledged.filter((answer) => !answer.wait).map((answer) => answer.answeredAt - answer.sentAt))}`);
+
+  await faults.finish(t);
 });

@@ -10,7 +10,7 @@ import { faultContext } from './support/context.ts';
 import { errorShapeProblem } from './support/contract.ts';
 import { dedicatedPostgres } from './support/postgres.ts';
 import { sleep } from './support/processes.ts';
-import { lifecycleProblems, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
+import { lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
 import { privateContent } from './support/run.ts';
 
 const OUTAGE_MS = 10_000;
@@ -110,6 +110,7 @@ t.test('Postgres stopped for 10 s under load, then started: only 503s while it i
   // Nothing acknowledged is lost: every 202's id and every 200's completion is stored and completes.
   const ended = await waitUntilTerminal(faults.pool, acknowledgedIds, 60_000);
   t.ok(ended.done, `every acknowledged request ended (${acknowledgedIds.length}; left: ${ended.left}, by status: ${JSON.stringify(ended.byStatus)})`);
+  if (!ended.done) t.comment(await queueSummary(faults.pool));
   const stored = await requestsWithAttempts(faults.pool);
   const byId = new Map(stored.map((request) => [request.id, request]));
   const byKey = new Map(stored.map((request) => [request.idempotency_key, request]));
@@ -150,6 +151,8 @@ t.test('Postgres stopped for 10 s under load, then started: only 503s while it i
     [],
     'and within the wait timeout',
   );
+
+  await faults.finish(t);
 });
 
 async function send(baseUrl: string, key: CreatedKey, kind: Kind, acknowledged: string[]): Promise<Sent> {

@@ -10,7 +10,7 @@ import { BEHAVIOURS, RETRYABLE, startChaosUpstream, type ChaosCall } from './sup
 import { call, inBatches, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { sleep } from './support/processes.ts';
-import { requestsWithAttempts, waitUntilTerminal, type RequestWithAttempts } from './support/rows.ts';
+import { queueSummary, requestsWithAttempts, waitUntilTerminal, type RequestWithAttempts } from './support/rows.ts';
 import { privateContent, UPSTREAM_API_KEY } from './support/run.ts';
 
 const REQUESTS = 1_000;
@@ -60,6 +60,7 @@ t.test('1,000 requests against an upstream that fails at random: all end, each a
 
   const ended = await waitUntilTerminal(faults.pool, ids, 120_000);
   t.ok(ended.done, `all ended (left: ${ended.left}, by status: ${JSON.stringify(ended.byStatus)})`);
+  if (!ended.done) t.comment(await queueSummary(faults.pool));
   t.comment(`all ended ${Date.now() - startedAt} ms after the first was sent`);
   // A call after the end would show up here.
   await sleep(2_000);
@@ -109,6 +110,8 @@ t.test('1,000 requests against an upstream that fails at random: all end, each a
   t.comment(`failed with: ${tally(requests.filter((request) => request.status === 'failed').map((request) => request.last_error_code ?? 'null'))}`);
   t.comment(`completed after errors, last_error_code: ${tally(requests.filter((request) => request.status === 'completed' && request.last_error_code).map((request) => request.last_error_code!))}`);
   t.comment(`time from acknowledgement to end: ${spread(requests.map((request) => (request.finished_at?.getTime() ?? Date.now()) - request.created_at.getTime()))}`);
+
+  await faults.finish(t);
 });
 
 /** How a request's rows disagree with what the upstream answered each of its calls. */

@@ -139,6 +139,7 @@ t.test('10,000 hostile requests: no 5xx, every error in the contract shape, noth
   const health = await call(gateway.url!, { path: `/v1/requests/${world.ids.a[0]}`, key: keys.a });
   t.equal(health.status, 200, 'and afterwards the gateway answers as before');
   t.ok(gateway.running, 'still running');
+  await faults.finish(t);
 });
 
 /** What is wrong with the answer to one hostile request. */

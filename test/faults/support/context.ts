@@ -4,15 +4,18 @@
 // the processes are killed first, then the pool is closed and the database dropped (or what
 // the scenario gave as `afterwards` is done, such as stopping its Postgres).
 import { randomBytes } from 'node:crypto';
+import path from 'node:path';
 import type pg from 'pg';
+import type { Test } from 'tap';
 import { createDb, createPool, type Db } from '../../../src/db/pool.ts';
 import type { KeyMode } from '../../../src/ids.ts';
 import { createKey, type CreatedKey } from '../../../src/keys/service.ts';
 import { createLogger } from '../../../src/logger.ts';
 import type { Role } from '../../../src/main.ts';
 import { createTestDatabase } from '../../helpers/database.ts';
+import { searchLogs } from './logs.ts';
 import { freePort, GatewayProcess } from './processes.ts';
-import { logFile, recordSecret, UPSTREAM_API_KEY } from './run.ts';
+import { logFile, logFiles, markLogsClean, recordSecret, UPSTREAM_API_KEY } from './run.ts';
 
 interface Teardown {
   teardown(fn: () => Promise<void> | void): void;
@@ -52,6 +55,12 @@ export interface FaultContext {
   process(role: Role, options?: { label?: string; env?: Record<string, string> }): Promise<GatewayProcess>;
   /** The same, started. */
   start(role: Role, options?: { label?: string; env?: Record<string, string> }): Promise<GatewayProcess>;
+  /**
+   * The end of every scenario: its processes are stopped (SIGTERM, then SIGKILL), and their
+   * logs searched for keys, secrets, the upstream key and message contents. Each scenario
+   * searches its own, whatever order the files run in; scenario 6 searches them all again.
+   */
+  finish(t: Test): Promise<void>;
 }
 
 export async function faultContext(
@@ -113,6 +122,13 @@ export async function faultContext(
       const gateway = await make(role, processOptions);
       await gateway.start();
       return gateway;
+    },
+    async finish(t) {
+      await Promise.all(processes.map((gateway) => gateway.stop()));
+      const search = searchLogs(logFiles().filter((file) => path.basename(file).startsWith(`${scenario}.`)));
+      t.comment(`searched the ${search.files} logs of this scenario (${search.linesByScenario.get(scenario) ?? 0} lines) for ${search.secretsSearched} recorded keys and secrets, the upstream key and message contents`);
+      t.same(search.leaks.slice(0, 20), [], `the logs of every process this scenario started hold no key, secret, upstream key or message content (${search.leaks.length} found)`);
+      if (search.leaks.length === 0) markLogsClean(scenario);
     },
   };
 }

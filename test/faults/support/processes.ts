@@ -105,6 +105,17 @@ export class GatewayProcess {
     return this.#exited;
   }
 
+  /** SIGTERM, and SIGKILL if it has not exited after `graceMs`. */
+  async stop(graceMs = 15_000): Promise<Exit | undefined> {
+    if (!this.running) return this.exits.at(-1);
+    const timer = setTimeout(() => this.#child?.kill('SIGKILL'), graceMs);
+    try {
+      return await this.kill('SIGTERM');
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
   /** SIGKILL unless it has already exited: the teardown of every scenario. */
   async destroy(): Promise<void> {
     await this.kill('SIGKILL');

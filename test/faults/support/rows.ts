@@ -98,3 +98,17 @@ export function lifecycleProblems(request: RequestWithAttempts, maxAttempts: num
   }
   return problems;
 }
+
+/** The job queue and the worker pools' heartbeats, to explain requests that did not end. */
+export async function queueSummary(pool: pg.Pool): Promise<string> {
+  const { rows: jobs } = await pool.query<{ task: string; locked_by: string | null; count: number; attempts: number; last_error: string | null }>(
+    `select task_identifier as task, locked_by, count(*)::int as count, max(attempts)::int as attempts, max(last_error) as last_error
+     from graphile_worker.jobs group by 1, 2 order by 1, 2`,
+  );
+  const { rows: pools } = await pool.query<{ id: string; seen_ms_ago: number }>(
+    `select id, (extract(epoch from now() - last_seen_at) * 1000)::int as seen_ms_ago from gateway.worker_pools order by 1`,
+  ).catch(() => ({ rows: [] }));
+  const jobText = jobs.map((job) => `${job.count} ${job.task} ${job.locked_by ? `locked by ${job.locked_by}` : 'unlocked'} (attempts up to ${job.attempts}${job.last_error ? `, last error ${JSON.stringify(job.last_error.slice(0, 120))}` : ''})`).join('; ');
+  const poolText = pools.map((row) => `${row.id} seen ${row.seen_ms_ago} ms ago`).join('; ');
+  return `jobs: ${jobText || 'none'}; worker pools: ${poolText || 'none'}`;
+}

@@ -3,7 +3,7 @@
 // database (scripts/test.ts makes one per run): the log of every process a scenario starts,
 // and every secret and message content it used, so that the last scenario can search all the
 // logs of the run for all of them.
-import { appendFileSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { appendFileSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { randomBase62 } from '../../../src/ids.ts';
@@ -22,11 +22,38 @@ export interface RecordedSecret {
   scenario: string;
 }
 
+/** The scenario files; the run's directory is deleted once each has found its logs clean. */
+export const SCENARIOS = [
+  '1-worker-killed',
+  '2-api-killed',
+  '3-postgres-outage',
+  '4-chaos-upstream',
+  '5-hostile-input',
+  '6-isolation-and-logs',
+] as const;
+
+const PREFIX = 'gateway-faults-';
+const STALE_MS = 24 * 60 * 60 * 1000;
+
 export function runDirectory(): string {
   const run = process.env.GATEWAY_TEST_TEMPLATE ?? `standalone-${process.pid}`;
-  const directory = path.join(os.tmpdir(), `gateway-faults-${run}`);
-  mkdirSync(directory, { recursive: true });
+  const directory = path.join(os.tmpdir(), `${PREFIX}${run}`);
+  if (!existsSync(directory)) {
+    removeStaleRunDirectories();
+    mkdirSync(directory, { recursive: true });
+  }
   return directory;
+}
+
+/** Directories of runs that ended a day ago or more and were kept (a leak, a partial run). */
+function removeStaleRunDirectories(): void {
+  for (const name of readdirSync(os.tmpdir())) {
+    if (!name.startsWith(PREFIX)) continue;
+    const directory = path.join(os.tmpdir(), name);
+    try {
+      if (Date.now() - statSync(directory).mtimeMs > STALE_MS) rmSync(directory, { recursive: true, force: true });
+    } catch {}
+  }
 }
 
 /** A recognisable message content: `faults-private-content <label> <random>`. */
@@ -59,6 +86,10 @@ export function logFiles(): string[] {
     .map((name) => path.join(runDirectory(), name));
 }
 
-export function removeRunDirectory(): void {
-  rmSync(runDirectory(), { recursive: true, force: true });
+/** Notes that a scenario's logs were searched and found clean; once all were, the directory goes. */
+export function markLogsClean(scenario: string): void {
+  writeFileSync(path.join(runDirectory(), `${scenario}.clean`), '');
+  if (SCENARIOS.every((name) => existsSync(path.join(runDirectory(), `${name}.clean`)))) {
+    rmSync(runDirectory(), { recursive: true, force: true });
+  }
 }
