@@ -9,6 +9,7 @@ import { newRequestId } from '../../src/ids.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { call, inBatches, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
+import { waitUntilTerminal } from './support/rows.ts';
 import { searchLogs } from './support/logs.ts';
 import { logFiles, markLogsClean, privateContent, runDirectory, UPSTREAM_API_KEY } from './support/run.ts';
 
@@ -39,6 +40,8 @@ t.test('cross-project and cross-mode reads of 100 ids are all 404 request_not_fo
   t.same(tally(created.map((answer) => answer.status)), '202: 100', '100 requests stored, 50 in each mode');
   const testIds = created.slice(0, 50).map((answer) => answer.body.id as string);
   const liveIds = created.slice(50).map((answer) => answer.body.id as string);
+  const ended = await waitUntilTerminal(faults.pool, [...testIds, ...liveIds], 30_000);
+  t.same(ended.byStatus, { completed: 100 }, 'and completed');
   t.ok(upstream.calls.length > 0 && upstream.calls.every((received) => received.headers.authorization === `Bearer ${UPSTREAM_API_KEY}`), 'live requests reached the upstream with UPSTREAM_API_KEY');
 
   const read = (key: (typeof keys)[keyof typeof keys], ids: string[]) =>
