@@ -16,12 +16,8 @@ export interface RequestSummary {
   created_at: Date;
 }
 
-/** Newest first. */
-export async function listRequests(
-  db: Db,
-  filter: { status?: RequestStatus; project?: string; mode?: KeyMode; limit: number },
-): Promise<RequestSummary[]> {
-  let query = db
+const summaries = (db: Db) =>
+  db
     .selectFrom('requests')
     .innerJoin('projects', 'projects.id', 'requests.project_id')
     .select([
@@ -33,7 +29,14 @@ export async function listRequests(
       'requests.last_error_code',
       'requests.model',
       'requests.created_at',
-    ])
+    ]);
+
+/** Newest first. */
+export async function listRequests(
+  db: Db,
+  filter: { status?: RequestStatus; project?: string; mode?: KeyMode; limit: number },
+): Promise<RequestSummary[]> {
+  let query = summaries(db)
     .orderBy('requests.id', 'desc')
     .limit(filter.limit);
   if (filter.status) query = query.where('requests.status', '=', filter.status);
@@ -43,20 +46,10 @@ export async function listRequests(
 }
 
 export async function findRequestDetail(db: Db, id: string) {
-  const request = await db
-    .selectFrom('requests')
-    .innerJoin('projects', 'projects.id', 'requests.project_id')
+  const request = await summaries(db)
     .select([
-      'requests.id',
-      'projects.name as project',
-      'requests.mode',
-      'requests.status',
-      'requests.attempts',
-      'requests.last_error_code',
-      'requests.model',
       'requests.idempotency_key',
       'requests.api_key_id',
-      'requests.created_at',
       'requests.updated_at',
       'requests.next_attempt_at',
       'requests.finished_at',
