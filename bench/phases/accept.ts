@@ -1,0 +1,67 @@
+// Accept throughput: wait=false submissions at saturation against an API process with no
+// worker, so that nothing else competes for the CPU and the figure is the accept path alone
+// (request row, nonce and job committed, then the 202), comparable with the pgbench ceiling.
+import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
+import type { CpuMeter, CpuShares } from '../cpu.ts';
+import { checks, closedLoop } from '../load.ts';
+import { sha256Hex } from '../signing.ts';
+import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine } from './common.ts';
+
+export const ACCEPT_TARGET = 5_000;
+
+export async function acceptPhase(ctx: PhaseContext): Promise<PhaseResult> {
+  const { connections, warmupMs, durationMs } = ctx.settings;
+  const [api] = await ctx.start(['api']);
+  const signer = ctx.signer(api!.port!);
+  const body = completionBody({ wait: false });
+  const bodySha256 = sha256Hex(body);
+  let meter: CpuMeter | undefined;
+  let measuredCpu: Promise<CpuShares> | undefined;
+
+  const result = await closedLoop({
+    port: api!.port!,
+    connections,
+    warmupMs,
+    durationMs,
+    request: () => signer.post(COMPLETIONS, body, bodySha256),
+    check: checks.status(202, '"object":"chat.completion.async"', '"status":"queued"'),
+    onWindowStart: () => (meter = ctx.cpuMeter()),
+    onWindowEnd: () => (measuredCpu = meter?.end()),
+  });
+  const cpu = await measuredCpu;
+
+  // Every acknowledgement must stand for a stored request and its job (and nothing else).
+  const stored = await ctx.query(async (client) => {
+    const { rows } = await client.query<{ requests: string; jobs: string }>(
+      `select (select count(*) from gateway.requests) as requests, (select count(*) from graphile_worker.jobs) as jobs`,
+    );
+    return { requests: Number(rows[0]!.requests), jobs: Number(rows[0]!.jobs) };
+  });
+
+  const rps = result.ok / (durationMs / 1000);
+  const p50 = result.latency.percentile(50);
+  const p99 = result.latency.percentile(99);
+  const consistent = stored.requests === result.totalOk && stored.jobs === result.totalOk;
+  const details = [
+    `--role api (no worker), ${connections} keep-alive connections, closed loop; wait=false, model test-echo`,
+    spreadLine(result),
+    cpu ? cpuLine(cpu, rps) : 'CPU: not measured',
+    `${result.totalOk.toLocaleString('en-US')} acknowledged (warm-up included); stored: ${stored.requests.toLocaleString('en-US')} requests, ${stored.jobs.toLocaleString('en-US')} jobs` +
+      (consistent ? '' : '  ** MISMATCH: every acknowledgement should be exactly one request and one job **'),
+  ];
+  const errors = errorLine(result);
+  if (errors) details.push(errors);
+
+  return {
+    rows: [
+      {
+        figure: `accept, wait=false (API only, ${connections} connections)`,
+        result: `${rate(rps)} req/s; p50 ${ms(p50)}, p99 ${ms(p99)}`,
+        target: `≥ ${ACCEPT_TARGET.toLocaleString('en-US')} req/s`,
+        met: rps >= ACCEPT_TARGET && result.errors.size === 0,
+      },
+    ],
+    details,
+    data: { rps, p50, p99, errors: Object.fromEntries(result.errors), stored, acknowledged: result.totalOk, cpu: cpu?.cores },
+  };
+}
