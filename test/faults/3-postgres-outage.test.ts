@@ -34,10 +34,8 @@ t.test('Postgres stopped for 10 s under load, then started: only 503s while it i
 
   const calls: Sent[] = [];
   const acknowledgedIds: string[] = [];
-  let sequence = 0;
   // Loops of each kind, so that slow wait=true calls cannot hold up the others.
   const load = loadLoops(16, async (loop) => {
-    const n = sequence++;
     const kind: Kind = loop < 8 ? 'post' : loop < 12 ? 'post-wait' : acknowledgedIds.length > 0 ? 'lookup' : 'post';
     const sent = await send(api.url!, key, kind, acknowledgedIds);
     calls.push(sent);
