@@ -86,7 +86,7 @@ export function logFiles(): string[] {
     .map((name) => path.join(runDirectory(), name));
 }
 
-/** Notes that a scenario's logs were searched and found clean; once all were, the directory goes. */
+/** Notes that a scenario passed and its logs were found clean; once all have, the directory goes. */
 export function markLogsClean(scenario: string): void {
   writeFileSync(path.join(runDirectory(), `${scenario}.clean`), '');
   if (SCENARIOS.every((name) => existsSync(path.join(runDirectory(), `${name}.clean`)))) {
