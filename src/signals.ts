@@ -1,5 +1,7 @@
 // SIGINT/SIGTERM start an orderly shutdown and exit 0 when it is done; a second signal exits
-// at once.
+// at once. An unhandled rejection is logged, not fatal: graphile-worker leaves some of its
+// bookkeeping promises unhandled when Postgres goes away, and the supervisor and the sweep
+// already recover from what they report; crashing would only cut off every open request.
 import { errorSummary } from './db/pool.ts';
 import type { Logger } from './logger.ts';
 
@@ -25,4 +27,7 @@ export function stopOnSignals(stop: () => Promise<void>, logger: Logger): void {
   };
   process.on('SIGINT', onSignal);
   process.on('SIGTERM', onSignal);
+  process.on('unhandledRejection', (reason) => {
+    logger.error({ err: { ...errorSummary(reason), stack: (reason as Error)?.stack } }, 'unhandled rejection');
+  });
 }

@@ -1,6 +1,7 @@
 // Keeps a worker process working through crashes and outages:
-// - runs the graphile-worker pool, and starts a new one if it stops on its own (graphile-worker
-//   stops a pool that cannot record a job's end, as happens while Postgres is down);
+// - runs the graphile-worker pool, and starts a new one as soon as it begins to stop on its own
+//   (graphile-worker stops a pool that cannot record a job's end, as happens while Postgres is
+//   down, and that stop can hang for good: the new pool does not wait for it);
 // - writes a heartbeat for its pool in gateway.worker_pools;
 // - sweeps: a pool not heard from for WORKER_DEAD_AFTER_MS is presumed dead, and its jobs are
 //   released with graphile_worker.force_unlock_workers, so they run again on a live worker
@@ -40,26 +41,32 @@ export async function startWorkerService(deps: WorkerDeps): Promise<WorkerServic
     events.on('pool:create', ({ workerPool }) => {
       poolId = workerPool.id;
     });
+    events.on('pool:gracefulShutdown', ({ workerPool, message }) => {
+      if (current?.poolId === workerPool.id) retire(current.runner, `stopping on its own: ${message}`);
+    });
     const runner = await run({ ...runnerOptions(deps), events });
     if (!poolId) throw new Error('graphile-worker started without announcing its pool');
-    current = { runner, poolId, startedAt: Date.now() };
-    await beat(deps.db, poolId).catch((error) => log.warn({ err: errorSummary(error) }, 'first heartbeat failed'));
-    log.info({ poolId }, 'worker pool started');
-    runner.promise.then(
-      () => died(runner, poolId!),
-      (error: unknown) => died(runner, poolId!, error),
-    );
+    const id = poolId;
+    current = { runner, poolId: id, startedAt: Date.now() };
+    await beat(deps.db, id).catch((error) => log.warn({ err: errorSummary(error) }, 'first heartbeat failed'));
+    log.info({ poolId: id }, 'worker pool started');
+    const settled = (error?: unknown) => {
+      retire(runner, 'stopped on its own', error);
+      // A settled pool runs nothing any more: its jobs are free to run elsewhere at once. (If the
+      // database is down, the sweep frees them once the pool's heartbeat is stale.)
+      if (!stopping) release(deps.db, [id]).catch(() => {});
+    };
+    runner.promise.then(() => settled(), settled);
   };
 
-  const died = (runner: Runner, poolId: string, error?: unknown) => {
+  /** The pool is going: stop vouching for it, and start another. */
+  const retire = (runner: Runner, why: string, error?: unknown) => {
     if (stopping || current?.runner !== runner) return;
     if (Date.now() - current.startedAt > HEALTHY_AFTER_MS) restartDelay = RESTART_MIN_MS;
+    log.error({ poolId: current.poolId, err: error && errorSummary(error) }, `worker pool ${why}; starting a new one`);
+    // Its heartbeat stops with this; its attempts under way may still record their outcomes
+    // until it settles or its heartbeat is WORKER_DEAD_AFTER_MS old, when its jobs are released.
     current = undefined;
-    log.error({ poolId, err: error && errorSummary(error) }, 'worker pool stopped on its own; starting a new one');
-    // Its jobs are ours to release at once: we know this pool is gone.
-    release(deps.db, [poolId]).catch(() => {
-      // The database is likely down; the sweep will release them once the heartbeat is stale.
-    });
     scheduleRestart();
   };
 
