@@ -46,6 +46,8 @@ export interface ClosedLoopOptions extends WindowHooks {
   onOk?(response: HttpResponse): void;
   /** Stop after sending this many requests (and receiving their answers), if that comes first. */
   maxRequests?: number;
+  /** Called before each request; a promise it returns holds the request back until it settles. */
+  gate?(): Promise<void> | undefined;
 }
 
 export async function closedLoop(options: ClosedLoopOptions): Promise<LoadResult> {
@@ -61,6 +63,11 @@ export async function closedLoop(options: ClosedLoopOptions): Promise<LoadResult
   const loop = async () => {
     let connection: HttpConnection | undefined;
     while (performance.now() < windowEnd && sent < limit) {
+      const held = options.gate?.();
+      if (held) {
+        await held;
+        continue;
+      }
       sent++;
       try {
         connection ??= await HttpConnection.connect(options.port);
