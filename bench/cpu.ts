@@ -223,12 +223,12 @@ function account(
     const delta = info.ticks - (window.before.get(pid)?.ticks ?? 0);
     if (delta <= 0) continue;
     let kind: CpuClass = 'other';
-    // The gateway's processes are children of the generator's too: they are looked for first.
+    // The gateway's processes, and an embedded Postgres, are children of the generator's
+    // process too: they are looked for first.
     if (gateway.has(pid)) kind = 'gateway';
-    else if (generator.has(pid)) kind = 'generator';
     else if (postmaster !== undefined && (pid === postmaster || info.ppid === postmaster)) {
       kind = !info.database || info.database === request.database ? 'postgres' : 'other';
-    }
+    } else if (generator.has(pid)) kind = 'generator';
     used[kind] += delta;
     if (kind === 'other') {
       const name = info.database ? `postgres (database ${info.database})` : info.name;
