@@ -2,7 +2,7 @@
 # node_modules/.bin), not on whatever Node the machine has: only npm and make are needed.
 export PATH := $(CURDIR)/node_modules/.bin:$(PATH)
 
-.PHONY: run test test-faults typecheck install clean
+.PHONY: run test test-faults bench typecheck install clean
 
 ## make run: the gateway on DATABASE_URL, or on an embedded Postgres under .data/ when unset
 run: install
@@ -15,6 +15,10 @@ test: install typecheck
 ## make test-faults: only the fault suite (real processes killed, Postgres stopped, chaos upstream); part of make test too
 test-faults: install
 	npm test -- test/faults
+
+## make bench: the benchmark (a few minutes; DATABASE_URL's server, else an embedded Postgres); see BENCHMARKS.md
+bench: install
+	node bench/run.ts
 
 typecheck: install
 	npm run typecheck

@@ -7,7 +7,7 @@ import type { Config } from '../config.ts';
 import { authenticationError } from '../errors.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import { decryptSecret } from '../keys/secrets.ts';
-import { verifySignature } from '../keys/signatures.ts';
+import { signingKey, verifySignature } from '../keys/signatures.ts';
 import type { GatewayState } from './context.ts';
 
 const NO_BODY = Buffer.alloc(0);
@@ -26,14 +26,14 @@ export function verifyRequestSignature(
       }
     } else {
       const { auth } = ctx.state;
-      const secret = cache.signingSecret(auth, () =>
-        decryptSecret(auth.signingSecretCiphertext, auth.keyId, encryptionKey),
+      const key = cache.signingKey(auth, () =>
+        signingKey(decryptSecret(auth.signingSecretCiphertext, auth.keyId, encryptionKey)),
       );
       ctx.state.signature = verifySignature(header, {
         method: ctx.method,
         path: ctx.originalUrl,
         body: ctx.state.body ?? NO_BODY,
-      }, secret);
+      }, key);
     }
     await next();
   };

@@ -1,7 +1,8 @@
-// Keys and their decrypted signing secrets, cached in the API process so that authenticating a
+// Keys and their signing secrets (decrypted, as ready HMAC keys), cached in the API process so that authenticating a
 // request costs no database round trip. The database stays the truth: a key that changes
 // (revoked, deleted) is announced by NOTIFY and dropped at once; while the LISTEN connection is
 // down nothing is cached or served from the cache; and entries expire anyway after a minute.
+import type { KeyObject } from 'node:crypto';
 import type { Listener } from '../db/listener.ts';
 import type { Auth } from './service.ts';
 
@@ -11,7 +12,7 @@ interface Entry {
   auth: Auth;
   keySha256: string;
   expiresAt: number;
-  signingSecret?: string;
+  signingKey?: KeyObject;
 }
 
 export class KeyCache {
@@ -71,12 +72,12 @@ export class KeyCache {
     this.#keyIdBySha.set(sha, auth.keyId);
   }
 
-  /** The key's signing secret, decrypted once per cache entry. */
-  signingSecret(auth: Auth, decrypt: () => string): string {
+  /** The key's HMAC signing key, decrypted and prepared once per cache entry. */
+  signingKey(auth: Auth, prepare: () => KeyObject): KeyObject {
     const entry = this.#listener.listening ? this.#byKeyId.get(auth.keyId) : undefined;
-    if (!entry || entry.auth !== auth) return decrypt();
-    entry.signingSecret ??= decrypt();
-    return entry.signingSecret;
+    if (!entry || entry.auth !== auth) return prepare();
+    entry.signingKey ??= prepare();
+    return entry.signingKey;
   }
 
   forget(keyId: string): void {

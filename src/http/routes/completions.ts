@@ -1,4 +1,5 @@
 // POST /v1/chat/completions (CONTRACT.md section 2).
+import type { ServerResponse } from 'node:http';
 import type { Middleware } from 'koa';
 import { parseSubmission } from '../../requests/schemas.ts';
 import { submit, type RequestDeps } from '../../requests/service.ts';
@@ -8,13 +9,9 @@ import type { GatewayState } from '../context.ts';
 export function createCompletion(deps: RequestDeps): Middleware<GatewayState> {
   return async (ctx) => {
     const submission = parseSubmission(parseJson(ctx.state.body!));
-    // A client that hangs up stops its wait; its request runs on regardless.
-    const disconnected = new AbortController();
-    ctx.res.once('close', () => disconnected.abort());
-
     const outcome = await submit(deps, ctx.state.auth, submission, {
       signature: ctx.state.signature,
-      signal: disconnected.signal,
+      ...(submission.wait ? { signal: hangUp(ctx.res) } : {}),
     });
 
     if (outcome.replayed) ctx.set('Idempotent-Replayed', 'true');
@@ -32,4 +29,13 @@ export function createCompletion(deps: RequestDeps): Middleware<GatewayState> {
       };
     }
   };
+}
+
+/** Aborts if the client hangs up before it is answered: its wait stops (the request runs on). */
+function hangUp(response: ServerResponse): AbortSignal {
+  const controller = new AbortController();
+  response.once('close', () => {
+    if (!response.writableFinished) controller.abort();
+  });
+  return controller.signal;
 }
