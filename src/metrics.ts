@@ -105,7 +105,7 @@ export class Metrics {
       async collect() {
         const { rows } = await sql<{ status: string; mode: string; count: string }>`
           select status, mode, count(*) as count from gateway.requests
-          where status in ('queued', 'processing', 'retrying')
+          where finished_at is null
           group by status, mode
         `.execute(db);
         this.reset();

@@ -2,6 +2,7 @@
 // query of the README's "Inspecting with psql" section runs as written.
 import { readFile } from 'node:fs/promises';
 import t from 'tap';
+import { newRequestId, requestIdFloor } from '../src/ids.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { plantRequest } from './helpers/populate.ts';
 
@@ -84,5 +85,14 @@ t.test("every query of the README's psql section runs as written", async (t) => 
   t.ok(statements.length >= 9, `${statements.length} queries found`);
   for (const statement of statements) {
     await t.resolves(gateway.pool.query(statement), statement.split('\n')[0]!);
+  }
+});
+
+t.test('gateway.request_id_floor agrees with the ids the gateway makes', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  for (const ms of [0, 1, 61, 1_795_340_651_123, Date.now(), Date.UTC(2100, 0, 1)]) {
+    const { rows } = await gateway.pool.query('select gateway.request_id_floor(to_timestamp($1::float8 / 1000)) as floor', [ms]);
+    t.equal(rows[0].floor, requestIdFloor(ms), `at ${ms} ms`);
+    t.ok(newRequestId(ms) >= rows[0].floor && newRequestId(ms - 1) < rows[0].floor || ms === 0, 'ids of that millisecond sort from it');
   }
 });

@@ -1,6 +1,6 @@
 // Connection pools and the kysely instance. Pools are bounded and short-lived connections are
 // the rule: no connection is held while an upstream call is under way.
-import { Kysely, PostgresDialect } from 'kysely';
+import { Kysely, PostgresDialect, type PostgresPool, type PostgresPoolClient } from 'kysely';
 import pg from 'pg';
 import type { Logger } from '../logger.ts';
 import type { Database } from './database.ts';
@@ -44,7 +44,41 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
 }
 
 export function createDb(pool: pg.Pool): Db {
-  return new Kysely<Database>({ dialect: new PostgresDialect({ pool }) }).withSchema(SCHEMA);
+  return new Kysely<Database>({ dialect: new PostgresDialect({ pool: preparing(pool) }) }).withSchema(SCHEMA);
+}
+
+// Every distinct statement text gets a name, so each connection parses and plans it once and
+// then only binds and executes it: the hot statements (the grouped insert, the lookup, the
+// worker's claim and finish) are the same few texts over and over. The names are bounded in
+// case some statement ever carried its values in its text.
+const MAX_PREPARED = 500;
+const statementNames = new Map<string, string>();
+
+function statementName(text: string): string | undefined {
+  let name = statementNames.get(text);
+  if (name === undefined && statementNames.size < MAX_PREPARED) {
+    name = `gateway_${statementNames.size}`;
+    statementNames.set(text, name);
+  }
+  return name;
+}
+
+/** The pool as kysely sees it, preparing what it runs. */
+function preparing(pool: pg.Pool): PostgresPool {
+  return {
+    options: pool.options,
+    end: () => pool.end(),
+    async connect(): Promise<PostgresPoolClient> {
+      const client = await pool.connect();
+      return {
+        query: ((text: string, values: readonly unknown[]) => {
+          const name = statementName(text);
+          return client.query(name ? { name, text, values: [...values] } : { text, values: [...values] });
+        }) as unknown as PostgresPoolClient['query'],
+        release: (destroy?: boolean) => client.release(destroy),
+      };
+    },
+  };
 }
 
 /** Connection-level failures: the database is down, restarting or out of reach. */

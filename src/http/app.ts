@@ -11,7 +11,9 @@ import { methodNotAllowed } from '../errors.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
+import { Batcher } from '../db/batcher.ts';
 import { InsertBatcher } from '../requests/insert-batcher.ts';
+import { findRequests } from '../requests/repository.ts';
 import type { Waiters } from '../requests/waiters.ts';
 import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
@@ -40,9 +42,10 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
   const requestDeps = {
     db: deps.db,
     inserts: new InsertBatcher(deps.db, {
-      maxInFlight: Math.max(1, Math.floor(deps.config.databasePoolSize / 3)),
+      maxInFlight: 2,
       onGroup: (size) => deps.metrics.insertGroupSize.observe(size),
     }),
+    reads: new Batcher((ids: string[]) => findRequests(deps.db, ids), { maxInFlight: 2, maxBatch: 500 }),
     waiters: deps.waiters,
     metrics: deps.metrics,
     config: deps.config,

@@ -27,15 +27,13 @@ export interface RequestAnswer {
   body_sha256: Buffer;
 }
 
-/** The lookup record of GET /v1/requests/{id}. */
-export interface RequestRecord {
-  id: string;
-  status: RequestStatus;
+/** A request as the API reads it back: for lookups and for answering submissions. */
+export interface RequestRow extends RequestAnswer {
+  project_id: string;
+  mode: KeyMode;
   attempts: number;
-  created_at: Date;
   updated_at: Date;
   last_error_code: string | null;
-  result: unknown;
 }
 
 /** A signed POST's nonce, to be recorded with the request it carried. */
@@ -147,23 +145,20 @@ export async function findAnswerByIdempotencyKey(
   return rows[0];
 }
 
-export async function findAnswer(db: Db, id: string): Promise<RequestAnswer | undefined> {
-  const { rows } = await sql<RequestAnswer>`select ${answerColumns} from gateway.requests where id = ${id}`.execute(db);
-  return rows[0];
-}
-
-export async function findRecord(
-  db: Db,
-  scope: { project_id: string; mode: KeyMode },
-  id: string,
-): Promise<RequestRecord | undefined> {
-  return db
-    .selectFrom('requests')
-    .select(['id', 'status', 'attempts', 'created_at', 'updated_at', 'last_error_code', 'result'])
-    .where('id', '=', id)
-    .where('project_id', '=', scope.project_id)
-    .where('mode', '=', scope.mode)
-    .executeTakeFirst();
+/**
+ * Requests by id, in the order asked (undefined for an id not found). Concurrent lookups are
+ * read together (see requests/service.ts): one query, one round trip for all of them. Only the
+ * ids are in the WHERE clause, so only the primary key can serve it; callers check the scope.
+ */
+export async function findRequests(db: Db, ids: readonly string[]): Promise<(RequestRow | undefined)[]> {
+  const { rows } = await sql<RequestRow>`
+    select id, project_id, mode, status, attempts, created_at, updated_at, last_error_code,
+           result::text as result, body_sha256
+    from gateway.requests
+    where id = any(${ids}::text[])
+  `.execute(db);
+  const byId = new Map(rows.map((row) => [row.id, row]));
+  return ids.map((id) => byId.get(id));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -177,29 +172,49 @@ export interface ClaimedAttempt {
   attempt: number;
 }
 
+export interface Claim {
+  id: string;
+  /** The attempt the job is meant to start (1 for the first). */
+  attempt: number;
+  workerId: string | null;
+}
+
 /**
- * Starts attempt `attempt` of a request that is waiting for exactly that attempt (queued or
- * retrying, with attempt - 1 attempts made): marks it processing and records the attempt.
+ * Starts attempts, a group at a time: each request that is waiting for exactly that attempt
+ * (queued or retrying, with attempt - 1 attempts made) becomes processing and gets its attempt
+ * row. Returns, per claim, the attempt to run, or undefined when the request was not waiting
+ * for it (finished, gone, or its attempt already started: the caller finds out which).
  */
-export async function claimAttempt(
-  db: Db,
-  id: string,
-  attempt: number,
-  workerId: string | null,
-): Promise<ClaimedAttempt | undefined> {
-  const { rows } = await sql<ClaimedAttempt>`
-    with claimed as (
+export async function claimAttempts(db: Db, claims: readonly Claim[]): Promise<(ClaimedAttempt | undefined)[]> {
+  const { rows } = await sql<{ ord: string } & { [K in keyof ClaimedAttempt]: ClaimedAttempt[K] | null }>`
+    with input as (
+      select * from unnest(
+        ${claims.map((c) => c.id)}::text[],
+        ${claims.map((c) => c.attempt)}::int[],
+        ${claims.map((c) => c.workerId)}::text[]
+      ) with ordinality as t(id, attempt, worker_id, ord)
+    ), claimed as (
       update gateway.requests
-      set status = 'processing', attempts = attempts + 1, next_attempt_at = null, updated_at = now()
-      where id = ${id} and attempts = ${attempt - 1} and status in ('queued', 'retrying')
-      returning id, mode, body::text as body, attempts as attempt
+      set status = 'processing', attempts = requests.attempts + 1, next_attempt_at = null, updated_at = now()
+      from input
+      where requests.id = input.id and requests.attempts = input.attempt - 1
+        and requests.status in ('queued', 'retrying')
+      returning requests.id, requests.mode, requests.body::text as body, requests.attempts as attempt, input.worker_id
     ), recorded as (
       insert into gateway.request_attempts (request_id, attempt_number, worker_id)
-      select id, attempt, ${workerId} from claimed
+      select id, attempt, worker_id from claimed
     )
-    select id, mode, body, attempt from claimed
+    select input.ord, claimed.id, claimed.mode, claimed.body, claimed.attempt
+    from input
+    left join claimed on claimed.id = input.id
+    order by input.ord
   `.execute(db);
-  return rows[0];
+  return rows.map((row) => (row.id === null ? undefined : (row as ClaimedAttempt)));
+}
+
+/** One claim; see claimAttempts. */
+export async function claimAttempt(db: Db, id: string, attempt: number, workerId: string | null) {
+  return (await claimAttempts(db, [{ id, attempt, workerId }]))[0];
 }
 
 export async function findProgress(
@@ -219,76 +234,71 @@ export interface AttemptFailure extends AttemptReport {
   detail: string;
 }
 
-// Every finishing statement is guarded twice: the attempt must still be running, and the
-// request must still be processing this very attempt. A worker that was presumed dead and
-// comes back late therefore changes nothing.
-const finishAttemptRow = (
-  id: string,
-  attempt: number,
-  outcome: 'succeeded' | 'failed',
-  report: AttemptReport,
-  failure?: AttemptFailure,
-) => sql`
-  update gateway.request_attempts
-  set outcome = ${outcome}, finished_at = now(), upstream_status = ${report.upstreamStatus},
-      duration_ms = ${report.durationMs}, error_code = ${failure?.code ?? null},
-      error_detail = ${failure?.detail ?? null}
-  where request_id = ${id} and attempt_number = ${attempt} and outcome = 'running'
-`;
+/** How an attempt ended, and so what becomes of its request. */
+export type Finish =
+  | ({ kind: 'completed'; id: string; attempt: number; result: string } & AttemptReport)
+  | ({ kind: 'failed'; id: string; attempt: number } & AttemptFailure)
+  | ({ kind: 'retrying'; id: string; attempt: number; delayMs: number } & AttemptFailure);
 
-/** Returns false when the attempt was no longer the request's current one (nothing changed). */
-export async function completeAttempt(
-  db: Db,
-  id: string,
-  attempt: number,
-  result: string,
-  report: AttemptReport,
-): Promise<boolean> {
-  const { rows } = await sql`
-    with attempt as (${finishAttemptRow(id, attempt, 'succeeded', report)})
-    update gateway.requests
-    set status = 'completed', result = ${result}::json, finished_at = now(), updated_at = now()
-    where id = ${id} and attempts = ${attempt} and status = 'processing'
-    returning id
-  `.execute(db);
-  return rows.length === 1;
-}
-
-export async function failAttempt(db: Db, id: string, attempt: number, failure: AttemptFailure): Promise<boolean> {
-  const { rows } = await sql`
-    with attempt as (${finishAttemptRow(id, attempt, 'failed', failure, failure)})
-    update gateway.requests
-    set status = 'failed', last_error_code = ${failure.code}, finished_at = now(), updated_at = now()
-    where id = ${id} and attempts = ${attempt} and status = 'processing'
-    returning id
-  `.execute(db);
-  return rows.length === 1;
-}
-
-/** Records the failure, moves the request to retrying and adds the job for the next attempt. */
-export async function retryAttempt(
-  db: Db,
-  id: string,
-  attempt: number,
-  failure: AttemptFailure,
-  delayMs: number,
-): Promise<boolean> {
-  const { rows } = await sql`
-    with attempt as (${finishAttemptRow(id, attempt, 'failed', failure, failure)}),
-    retrying as (
+/**
+ * Records how attempts ended, a group at a time, in one statement: each attempt row, its
+ * request (completed, failed, or retrying with its next attempt due), and one add_jobs for
+ * the next attempts. Each is guarded twice: the attempt must still be running, and the request
+ * still processing this very attempt; so a worker presumed dead that comes back late changes
+ * nothing. Returns, per finish, whether it was applied.
+ */
+export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promise<boolean[]> {
+  const column = <T>(pick: (finish: Finish) => T) => finishes.map(pick);
+  const failure = (finish: Finish) => (finish.kind === 'completed' ? undefined : finish);
+  const { rows } = await sql<{ ord: string; applied: boolean }>`
+    with input as (
+      select * from unnest(
+        ${column((f) => f.id)}::text[],
+        ${column((f) => f.attempt)}::int[],
+        ${column((f) => f.kind)}::text[],
+        ${column((f) => (f.kind === 'completed' ? f.result : null))}::text[],
+        ${column((f) => failure(f)?.code ?? null)}::text[],
+        ${column((f) => failure(f)?.detail ?? null)}::text[],
+        ${column((f) => f.upstreamStatus)}::int[],
+        ${column((f) => f.durationMs)}::int[],
+        ${column((f) => (f.kind === 'retrying' ? f.delayMs : null))}::float8[]
+      ) with ordinality as t(id, attempt, kind, result, code, detail, upstream_status, duration_ms, delay_ms, ord)
+    ), attempt_rows as (
+      update gateway.request_attempts
+      set outcome = case when input.kind = 'completed' then 'succeeded' else 'failed' end,
+          finished_at = now(), upstream_status = input.upstream_status, duration_ms = input.duration_ms,
+          error_code = input.code, error_detail = input.detail
+      from input
+      where request_attempts.request_id = input.id and request_attempts.attempt_number = input.attempt
+        and request_attempts.outcome = 'running'
+    ), finished as (
       update gateway.requests
-      set status = 'retrying', last_error_code = ${failure.code}, updated_at = now(),
-          next_attempt_at = now() + ${delayMs}::float8 * interval '1 millisecond'
-      where id = ${id} and attempts = ${attempt} and status = 'processing'
-      returning id, next_attempt_at
+      set status = input.kind,
+          result = input.result::json,
+          last_error_code = coalesce(input.code, requests.last_error_code),
+          finished_at = case when input.kind = 'retrying' then null else now() end,
+          next_attempt_at = case when input.kind = 'retrying'
+                                 then now() + input.delay_ms * interval '1 millisecond' end,
+          updated_at = now()
+      from input
+      where requests.id = input.id and requests.attempts = input.attempt and requests.status = 'processing'
+      returning requests.id, requests.status, requests.next_attempt_at, input.attempt
+    ), queued as (
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${PROCESS_REQUEST}, json_build_object('request_id', id, 'attempt', attempt + 1),
+                   null, next_attempt_at, null, null, null, null)::graphile_worker.job_spec
+        from finished where status = 'retrying'
+      ))
+      where exists (select from finished where status = 'retrying')
     )
-    select retrying.id
-    from retrying,
-      lateral graphile_worker.add_job(${PROCESS_REQUEST},
-        json_build_object('request_id', retrying.id, 'attempt', ${attempt + 1}::int),
-        run_at => retrying.next_attempt_at) as job
+    select input.ord, finished.id is not null as applied
+    from input
+    cross join queued
+    left join finished on finished.id = input.id
+    order by input.ord
   `.execute(db);
-  return rows.length === 1;
+  return rows.map((row) => row.applied);
 }
 
 // ---------------------------------------------------------------------------------------------

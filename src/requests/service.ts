@@ -6,20 +6,23 @@ import { isDatabaseUnavailable, type Db } from '../db/pool.ts';
 import { idempotencyKeyReused, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce } from '../keys/repository.ts';
+import type { Batcher } from '../db/batcher.ts';
 import type { Auth } from '../keys/service.ts';
 import type { Metrics } from '../metrics.ts';
 import { replayedRequest, SIGNATURE_WINDOW_SECONDS, type VerifiedSignature } from '../keys/signatures.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import * as repository from './repository.ts';
-import type { Nonce, RequestAnswer, RequestRecord } from './repository.ts';
+import type { Nonce, RequestAnswer, RequestRow } from './repository.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
 
-export type { RequestRecord } from './repository.ts';
+export type { RequestRow } from './repository.ts';
 
 export interface RequestDeps {
   db: Db;
   inserts: InsertBatcher;
+  /** Reads requests by id, concurrent reads together (repository.findRequests). */
+  reads: Batcher<string, RequestRow | undefined>;
   waiters: Waiters;
   metrics: Metrics;
   config: Pick<Config, 'waitTimeoutMs'>;
@@ -58,7 +61,7 @@ export async function submit(
       // An idempotent replay: watch the existing request instead, then read it again.
       watch.close();
       watch = deps.waiters.watch(answer.id);
-      answer = (await repository.findAnswer(deps.db, answer.id)) ?? answer;
+      answer = (await deps.reads.submit(answer.id)) ?? answer;
     }
     if (watch) answer = await waitForTerminal(deps, watch, answer, options.signal);
     return outcomeOf(answer, replayed, submission.wait);
@@ -130,7 +133,7 @@ async function waitForTerminal(
     const event = await watch.next(remaining, signal);
     if (event === 'aborted') break;
     try {
-      current = (await repository.findAnswer(deps.db, watch.id)) ?? current;
+      current = (await deps.reads.submit(watch.id)) ?? current;
     } catch (error) {
       // The request is committed and its id is ours to give: a database outage during the
       // wait must not turn that into an error. Keep polling; at worst answer what we know.
@@ -149,9 +152,9 @@ function outcomeOf(answer: RequestAnswer, replayed: boolean, wait: boolean): Sub
 }
 
 /** The caller's request with that id; 404 for an unknown id or one of another project or mode. */
-export async function lookup(deps: Pick<RequestDeps, 'db'>, auth: Auth, id: string): Promise<RequestRecord> {
+export async function lookup(deps: Pick<RequestDeps, 'reads'>, auth: Auth, id: string): Promise<RequestRow> {
   if (!REQUEST_ID.test(id)) throw requestNotFound();
-  const record = await repository.findRecord(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
-  if (record === undefined) throw requestNotFound();
-  return record;
+  const row = await deps.reads.submit(id);
+  if (row === undefined || row.project_id !== auth.projectId || row.mode !== auth.mode) throw requestNotFound();
+  return row;
 }

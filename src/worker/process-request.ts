@@ -1,7 +1,9 @@
 // The graphile-worker task that runs one attempt of a request:
 //   claim it (queued|retrying -> processing, one attempt row more), call the upstream or the
-//   simulator with no database connection held, then record the outcome in one statement:
-//   completed, failed, or retrying with the next attempt's job added in the same statement.
+//   simulator with no database connection held, then record the outcome: completed, failed,
+//   or retrying with the next attempt's job added in the same statement.
+// Claims and outcomes of concurrent tasks are written in groups (db/batcher.ts): one statement
+// and one commit for all the attempts that start, or end, at about the same time.
 // A job whose attempt was already started is one whose worker died mid-attempt (its lock was
 // released by the dead-worker sweep): that attempt is recorded as worker_lost and retried. So is
 // an attempt cut short by a shutdown after SHUTDOWN_GRACE_MS. Every statement rides out a short
@@ -9,13 +11,14 @@
 import type { JobHelpers, Task } from 'graphile-worker';
 import * as v from 'valibot';
 import type { Config } from '../config.ts';
+import { Batcher } from '../db/batcher.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { ProcessRequestPayload } from '../requests/jobs.ts';
 import * as repository from '../requests/repository.ts';
-import type { AttemptFailure } from '../requests/repository.ts';
+import type { AttemptFailure, Claim, ClaimedAttempt, Finish } from '../requests/repository.ts';
 import { callOpenAiCompatible } from '../upstream/openai.ts';
 import { ATTEMPT_ERRORS, type AttemptOutcome } from '../upstream/outcome.ts';
 import { simulate } from '../upstream/simulator.ts';
@@ -35,9 +38,14 @@ export interface ProcessRequestDeps {
 
 // How long a statement is retried while the database is unreachable.
 const OUTAGE_PATIENCE_MS = 60_000;
+// Claim and finish statements under way at once (each holds a connection while it runs).
+const GROUP_STATEMENTS_IN_FLIGHT = 2;
 
 export function processRequestTask(deps: ProcessRequestDeps): Task {
   const log = deps.logger.child({ component: 'worker' });
+  const groups = { maxInFlight: GROUP_STATEMENTS_IN_FLIGHT, maxBatch: 500 };
+  const claims = new Batcher<Claim, ClaimedAttempt | undefined>((items) => claimGroup(deps.db, items), groups);
+  const finishes = new Batcher<Finish, boolean>((items) => repository.finishAttempts(deps.db, items), groups);
   const db = <T>(statement: () => Promise<T>) =>
     whileUnavailable(statement, {
       maxWaitMs: OUTAGE_PATIENCE_MS,
@@ -52,10 +60,9 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
       return;
     }
     const { request_id: id, attempt } = parsed.output;
-    const workerId = helpers.job.locked_by;
 
     if (helpers.abortSignal.aborted) throw new Error('shutting down: attempt not started');
-    const claimed = await db(() => repository.claimAttempt(deps.db, id, attempt, workerId));
+    const claimed = await db(() => claims.submit({ id, attempt, workerId: helpers.job.locked_by }));
     if (!claimed) {
       await recoverLostAttempt(id, attempt);
       return;
@@ -78,7 +85,7 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
     await record(id, attempt, outcome, durationMs);
   };
 
-  async function callUpstream(claimed: repository.ClaimedAttempt, helpers: JobHelpers): Promise<AttemptOutcome> {
+  async function callUpstream(claimed: ClaimedAttempt, helpers: JobHelpers): Promise<AttemptOutcome> {
     const signal = AbortSignal.any([AbortSignal.timeout(deps.config.upstreamTimeoutMs), helpers.abortSignal]);
     const call = { body: claimed.body, signal };
     try {
@@ -96,7 +103,11 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
   async function record(id: string, attempt: number, outcome: AttemptOutcome, durationMs: number): Promise<void> {
     if (outcome.ok) {
       const done = await db(() =>
-        repository.completeAttempt(deps.db, id, attempt, outcome.result, {
+        finishes.submit({
+          kind: 'completed',
+          id,
+          attempt,
+          result: outcome.result,
           upstreamStatus: outcome.upstreamStatus,
           durationMs,
         }),
@@ -105,23 +116,22 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
       log.debug({ requestId: id, attempt, durationMs, stale: !done }, 'attempt succeeded');
       return;
     }
-    const failure: AttemptFailure = {
+    await fail(id, attempt, {
       code: outcome.code,
       detail: outcome.detail,
       upstreamStatus: outcome.upstreamStatus,
       durationMs,
-    };
-    await fail(id, attempt, failure, outcome.retryAfterMs);
+    }, outcome.retryAfterMs);
   }
 
   async function fail(id: string, attempt: number, failure: AttemptFailure, retryAfterMs?: number): Promise<void> {
     const retryable = ATTEMPT_ERRORS[failure.code as keyof typeof ATTEMPT_ERRORS]?.retryable ?? false;
     if (retryable && attempt < deps.config.maxAttempts) {
       const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, attempt, retryAfterMs);
-      const scheduled = await db(() => repository.retryAttempt(deps.db, id, attempt, failure, delayMs));
+      const scheduled = await db(() => finishes.submit({ kind: 'retrying', id, attempt, delayMs, ...failure }));
       log.info({ requestId: id, attempt, code: failure.code, delayMs, stale: !scheduled }, 'attempt failed; retry scheduled');
     } else {
-      const failed = await db(() => repository.failAttempt(deps.db, id, attempt, failure));
+      const failed = await db(() => finishes.submit({ kind: 'failed', id, attempt, ...failure }));
       if (failed) finished(id);
       log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
     }
@@ -150,4 +160,19 @@ export function processRequestTask(deps: ProcessRequestDeps): Task {
       log.warn({ requestId: id, err: errorSummary(error) }, 'waking local waiters failed');
     }
   }
+}
+
+/**
+ * Claims a group. Two jobs naming the same request in one group (only possible while a lost
+ * attempt is being recovered) must not both believe they started it: only the first is sent.
+ */
+async function claimGroup(db: Db, items: Claim[]): Promise<(ClaimedAttempt | undefined)[]> {
+  const firstIndex = new Map<string, number>();
+  items.forEach((item, index) => {
+    if (!firstIndex.has(item.id)) firstIndex.set(item.id, index);
+  });
+  const firsts = items.filter((item, index) => firstIndex.get(item.id) === index);
+  const claimed = await repository.claimAttempts(db, firsts);
+  const byId = new Map(firsts.map((item, index) => [item.id, claimed[index]]));
+  return items.map((item, index) => (firstIndex.get(item.id) === index ? byId.get(item.id) : undefined));
 }

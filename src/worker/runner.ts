@@ -36,6 +36,9 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
         // replace; unbatched, graphile-worker leaves that failure as an unhandled rejection.
         completeJobBatchDelay: 0,
         failJobBatchDelay: 0,
+        // The pool fetches (and locks) jobs in batches for its workers instead of each worker
+        // fetching its own: one query and one commit for many jobs.
+        localQueue: { size: deps.config.workerConcurrency },
       },
     },
     logger: graphileLogger(deps.logger),

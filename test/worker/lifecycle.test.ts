@@ -115,7 +115,9 @@ t.test('an attempt whose worker died is recorded as worker_lost and the request 
   t.equal(upstream.calls.length, 1, 'the lost attempt never reached the upstream; the retry did');
 
   t.notOk(
-    await repository.completeAttempt(api.db, id, 1, '{"object":"chat.completion"}', { upstreamStatus: 200, durationMs: 1 }),
+    (await repository.finishAttempts(api.db, [
+      { kind: 'completed', id, attempt: 1, result: '{"object":"chat.completion"}', upstreamStatus: 200, durationMs: 1 },
+    ]))[0],
     'the dead worker, were it to come back, could not record its outcome',
   );
   t.same(await requestRow(api.db, id), row);

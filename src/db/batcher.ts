@@ -1,0 +1,75 @@
+// Group commit, for any statement that can act on many rows at once. Every caller waits for
+// its own item's result, which exists only once the statement holding it has committed; but
+// items that arrive while earlier statements are under way share the next one: one round trip
+// and one commit for all of them. Under light load an item goes out alone and at once; under
+// heavy load the groups grow by themselves, with no timer adding latency.
+import { isDatabaseUnavailable } from './pool.ts';
+
+interface Pending<Item, Result> {
+  item: Item;
+  resolve(result: Result): void;
+  reject(error: unknown): void;
+}
+
+export interface BatcherOptions {
+  /** Statements under way at once (connections used). */
+  maxInFlight: number;
+  /** Items in one statement at most. */
+  maxBatch: number;
+  /** Told the size of every group written. */
+  onGroup?: (size: number) => void;
+}
+
+export class Batcher<Item, Result> {
+  readonly #write: (items: Item[]) => Promise<Result[]>;
+  readonly #options: BatcherOptions;
+  #pending: Pending<Item, Result>[] = [];
+  #inFlight = 0;
+  /** Statements written and items offered so far (items / statements = mean group size). */
+  readonly stats = { statements: 0, items: 0 };
+
+  /** `write` gets the items of one group and returns one result per item, in order. */
+  constructor(write: (items: Item[]) => Promise<Result[]>, options: BatcherOptions) {
+    this.#write = write;
+    this.#options = options;
+  }
+
+  submit(item: Item): Promise<Result> {
+    return new Promise((resolve, reject) => {
+      this.#pending.push({ item, resolve, reject });
+      this.#flush();
+    });
+  }
+
+  #flush(): void {
+    while (this.#inFlight < this.#options.maxInFlight && this.#pending.length > 0) {
+      const group = this.#pending.splice(0, this.#options.maxBatch);
+      this.#inFlight++;
+      this.#run(group).finally(() => {
+        this.#inFlight--;
+        this.#flush();
+      });
+    }
+  }
+
+  async #run(group: Pending<Item, Result>[]): Promise<void> {
+    this.stats.statements++;
+    this.stats.items += group.length;
+    this.#options.onGroup?.(group.length);
+    try {
+      const results = await this.#write(group.map((pending) => pending.item));
+      group.forEach((pending, index) => pending.resolve(results[index]!));
+    } catch (error) {
+      if (group.length === 1 || isDatabaseUnavailable(error)) {
+        for (const pending of group) pending.reject(error);
+        return;
+      }
+      // One bad item must not fail its neighbours: write each alone to find it.
+      await Promise.all(
+        group.map((pending) =>
+          this.#write([pending.item]).then(([result]) => pending.resolve(result!), pending.reject),
+        ),
+      );
+    }
+  }
+}
