@@ -24,6 +24,8 @@ t.test('a stopping worker lets short attempts finish and hands the long ones bac
   t.same((await jobsFor(gateway.db, long)).map((job) => job.attempt), [2], 'its next attempt is queued');
   const { rows } = await gateway.pool.query('select count(*)::int as count from gateway.worker_pools');
   t.equal(rows[0].count, 0, 'the pool removed its heartbeat');
+  const locked = await gateway.pool.query('select count(*)::int as count from graphile_worker.jobs where locked_by is not null');
+  t.equal(locked.rows[0].count, 0, 'and left no job locked');
 
   // Another worker picks it up.
   await startTestGateway(t, { role: 'worker', databaseUrl: gateway.databaseUrl });

@@ -113,8 +113,16 @@ export async function startWorkerService(deps: WorkerDeps): Promise<WorkerServic
       current = undefined;
       // Graceful: running attempts get SHUTDOWN_GRACE_MS to finish, then are aborted and
       // handed back (recorded as worker_lost and retried at once elsewhere).
-      await runner.stop();
-      await deps.db.deleteFrom('worker_pools').where('id', '=', poolId).execute().catch(() => {});
+      await runner.stop().catch((error: unknown) => {
+        log.warn({ poolId, err: errorSummary(error) }, 'worker pool did not stop cleanly');
+      });
+      // Nothing of this pool runs any more, but graphile-worker may not have given back every
+      // job it held: its local queue's release can fail when jobs are waiting in it. Release
+      // them now rather than after the sweep's WORKER_DEAD_AFTER_MS.
+      await release(deps.db, [poolId]).catch((error: unknown) => {
+        log.warn({ poolId, err: errorSummary(error) }, 'could not release the pool\'s jobs; the sweep will');
+      });
+      log.info({ poolId }, 'worker pool stopped');
     },
   };
 }
