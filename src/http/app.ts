@@ -1,5 +1,5 @@
 // createApp(deps): the whole HTTP API as a Koa app, built without listening so tests and
-// main.ts wire it the same way. Per route, the chain is:
+// main.ts wire it the same way. Per route, the steps are:
 //   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
 // createOpsApp(deps): what a worker-only process serves: health and metrics.
 import Router from '@koa/router';
@@ -7,7 +7,7 @@ import Koa from 'koa';
 import type pg from 'pg';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
-import { methodNotAllowed } from '../errors.ts';
+import { methodNotAllowed, routeNotFound } from '../errors.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
@@ -17,8 +17,8 @@ import { findRequests } from '../requests/repository.ts';
 import type { Waiters } from '../requests/waiters.ts';
 import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
-import type { GatewayState } from './context.ts';
-import { renderErrors } from './errors.ts';
+import type { GatewayContext, GatewayState, Step } from './context.ts';
+import { renderError } from './errors.ts';
 import { verifyRequestSignature } from './signature.ts';
 import { createCompletion } from './routes/completions.ts';
 import { healthz, metricsRoute, readyz } from './routes/ops.ts';
@@ -55,12 +55,9 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
 
   router.post(
     '/v1/chat/completions',
-    authenticated,
-    readBody(deps.config.maxBodyBytes),
-    signed,
-    createCompletion(requestDeps),
+    route([authenticated, readBody(deps.config.maxBodyBytes), signed], createCompletion(requestDeps)),
   );
-  router.get('/v1/requests/:id', authenticated, signed, getRequest(requestDeps));
+  router.get('/v1/requests/:id', route([authenticated, signed], getRequest(requestDeps)));
   return finish(app, router);
 }
 
@@ -75,8 +72,7 @@ function opsApp(deps: OpsDeps) {
   router.get('/healthz', healthz);
   router.get('/readyz', readyz(deps.pool));
   router.get('/metrics', metricsRoute(deps.metrics, deps.config.metricsToken));
-  app.use(observe(deps.logger, deps.metrics));
-  app.use(renderErrors(deps.logger));
+  app.use(answer(deps.logger, deps.metrics));
   return { app, router };
 }
 
@@ -86,16 +82,28 @@ function finish(app: Koa<GatewayState>, router: Router<GatewayState>): Koa<Gatew
   return app;
 }
 
+/** Runs a route's steps in order, then its handler. */
+function route<T extends Koa.Middleware<GatewayState, any>>(steps: Step[], handler: T): T {
+  return (async (ctx: GatewayContext, next: Koa.Next) => {
+    for (const step of steps) await step(ctx);
+    return handler(ctx, next);
+  }) as T;
+}
+
 /**
- * One log line and the HTTP metrics per request: method, route pattern, status and duration;
- * no headers, no bodies, no ids.
+ * Around every request: failures rendered in the contract's error shape (an unmatched route is
+ * a 404 route_not_found), then one log line and the HTTP metrics: method, route pattern,
+ * status and duration; no headers, no bodies, no ids.
  */
-function observe(logger: Logger, metrics: Metrics): Koa.Middleware {
+function answer(logger: Logger, metrics: Metrics): Koa.Middleware {
   const log = logger.child({ component: 'http' });
   return async (ctx, next) => {
     const started = performance.now();
     try {
       await next();
+      if (ctx.status === 404 && ctx.body == null) throw routeNotFound();
+    } catch (caught) {
+      renderError(ctx, caught, logger);
     } finally {
       const seconds = (performance.now() - started) / 1000;
       const route = (ctx as { _matchedRoute?: string })._matchedRoute ?? 'unmatched';

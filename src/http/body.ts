@@ -1,12 +1,11 @@
 // Reads the raw body of a JSON request (kept as bytes: the signature covers them exactly),
 // enforcing MAX_BODY_BYTES and the media type, then parses it.
-import type { Middleware } from 'koa';
 import getRawBody from 'raw-body';
 import { invalidRequest, requestTooLarge, unsupportedMediaType } from '../errors.ts';
-import type { GatewayState } from './context.ts';
+import type { Step } from './context.ts';
 
-export function readBody(maxBodyBytes: number): Middleware<GatewayState> {
-  return async (ctx, next) => {
+export function readBody(maxBodyBytes: number): Step {
+  return async (ctx) => {
     if (ctx.request.type !== 'application/json') throw unsupportedMediaType();
     const charset = ctx.request.charset;
     if (charset && charset.toLowerCase() !== 'utf-8' && charset.toLowerCase() !== 'utf8') throw unsupportedMediaType();
@@ -22,7 +21,6 @@ export function readBody(maxBodyBytes: number): Middleware<GatewayState> {
       if (type === 'entity.too.large') throw requestTooLarge(maxBodyBytes);
       throw invalidRequest('invalid_body', 'The body could not be read completely.');
     }
-    await next();
   };
 }
 

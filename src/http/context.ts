@@ -13,3 +13,9 @@ export interface GatewayState {
 }
 
 export type GatewayContext = ParameterizedContext<GatewayState>;
+
+/**
+ * What a route does before its handler (authenticate, read the body, verify the signature).
+ * Steps finish before the handler starts: a request held open keeps none of their frames.
+ */
+export type Step = (ctx: GatewayContext) => Promise<void> | void;

@@ -1,22 +1,15 @@
 // Renders every failure in the contract's error shape. ApiErrors are shown as they are; a lost
 // database becomes a 503 with retry-after; anything else is logged and becomes a bare 500.
-import type { Middleware } from 'koa';
+import type { ParameterizedContext } from 'koa';
 import { isDatabaseUnavailable, errorSummary } from '../db/pool.ts';
-import { ApiError, internalError, routeNotFound, serviceUnavailable } from '../errors.ts';
+import { ApiError, internalError, serviceUnavailable } from '../errors.ts';
 import type { Logger } from '../logger.ts';
 
-export function renderErrors(logger: Logger): Middleware {
-  return async (ctx, next) => {
-    try {
-      await next();
-      if (ctx.status === 404 && ctx.body == null) throw routeNotFound();
-    } catch (caught) {
-      const error = toApiError(caught, logger, ctx.method, ctx.path);
-      ctx.status = error.status;
-      ctx.body = error.toBody();
-      if (error.retryAfter !== undefined) ctx.set('retry-after', String(error.retryAfter));
-    }
-  };
+export function renderError(ctx: ParameterizedContext, caught: unknown, logger: Logger): void {
+  const error = toApiError(caught, logger, ctx.method, ctx.path);
+  ctx.status = error.status;
+  ctx.body = error.toBody();
+  if (error.retryAfter !== undefined) ctx.set('retry-after', String(error.retryAfter));
 }
 
 function toApiError(error: unknown, logger: Logger, method: string, path: string): ApiError {

@@ -2,23 +2,22 @@
 // body has been read (the signature covers its exact bytes). The nonce of a signed POST is
 // recorded later, in the same statement that stores the request, so a refused request stores
 // nothing and an accepted one costs no extra commit.
-import type { Middleware } from 'koa';
 import type { Config } from '../config.ts';
 import { authenticationError } from '../errors.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import { signingKey, verifySignature } from '../keys/signatures.ts';
-import type { GatewayState } from './context.ts';
+import type { Step } from './context.ts';
 
 const NO_BODY = Buffer.alloc(0);
 
 export function verifyRequestSignature(
   config: Pick<Config, 'signatures' | 'secretEncryptionKey'>,
   cache: KeyCache,
-): Middleware<GatewayState> {
+): Step {
   const encryptionKey = config.secretEncryptionKey;
   if (!encryptionKey) throw new Error('SECRET_ENCRYPTION_KEY is required to verify request signatures');
-  return async (ctx, next) => {
+  return (ctx) => {
     const header = ctx.get('svc-signature');
     if (header === '') {
       if (config.signatures === 'required') {
@@ -35,6 +34,5 @@ export function verifyRequestSignature(
         body: ctx.state.body ?? NO_BODY,
       }, key);
     }
-    await next();
   };
 }
