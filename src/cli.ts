@@ -6,6 +6,7 @@ import { createKeyCommand, listKeysCommand, revokeKeyCommand } from './cli/keys.
 import { requestCommand } from './cli/request.ts';
 import { listRequestsCommand, showRequestCommand, statsCommand } from './cli/requests.ts';
 import { CommandError } from './cli/output.ts';
+import { isClusterChild, shareMetricsWithPrimary, startCluster } from './cluster.ts';
 import { loadConfig, type Config, ConfigError } from './config.ts';
 import { migrate } from './db/migrate.ts';
 import { createDb, createPool, type Db } from './db/pool.ts';
@@ -45,6 +46,7 @@ class UsageError extends Error {
 async function main(argv: string[]): Promise<void> {
   const [command, ...rest] = argv;
   const config = loadConfig();
+  if (isClusterChild()) return serveClusterChild(config);
   switch (command) {
     case 'serve':
       return serve(config, rest);
@@ -83,8 +85,23 @@ async function serve(config: Config, args: string[]): Promise<void> {
     throw new CommandError('DATABASE_URL is not set. (`make run` starts the gateway on an embedded Postgres instead.)');
   }
   const logger = createLogger(config);
+  if (config.apiProcesses > 1 && role !== 'worker') {
+    const processes = await startCluster({ config, logger, role, databaseUrl: config.databaseUrl, childEnv: {} });
+    stopOnSignals(processes.stop, logger);
+    return;
+  }
   const gateway = await startGateway({ config, logger, role, databaseUrl: config.databaseUrl });
   stopOnSignals(gateway.stop, logger);
+}
+
+/** One of the API processes a cluster's primary forked (API_PROCESSES > 1). */
+async function serveClusterChild(config: Config): Promise<void> {
+  const logger = createLogger(config);
+  const gateway = await startGateway({ config, logger, role: 'api', databaseUrl: config.databaseUrl! });
+  shareMetricsWithPrimary(gateway.metrics);
+  // The primary decides when to stop (it relays SIGTERM); a Ctrl-C reaches it too.
+  process.on('SIGINT', () => {});
+  stopOnSignals(gateway.stop, logger, ['SIGTERM']);
 }
 
 async function start(baseConfig: Config, args: string[]): Promise<void> {
@@ -95,11 +112,17 @@ async function start(baseConfig: Config, args: string[]): Promise<void> {
     const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
     const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger });
     await migrate(pool, logger).finally(() => pool.end());
-    const gateway = await startGateway({ config, logger, role: 'all', databaseUrl: database.url });
-    logger.info(
-      { url: gateway.url },
-      'ready; create a test key with: npm run gateway -- keys create --project demo --mode test',
-    );
+    const gateway =
+      config.apiProcesses > 1
+        ? await startCluster({
+            config,
+            logger,
+            role: 'all',
+            databaseUrl: database.url,
+            childEnv: config.secretEncryptionKey ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKey.toString('base64') } : {},
+          })
+        : await startGateway({ config, logger, role: 'all', databaseUrl: database.url });
+    logger.info('ready; create a test key with: npm run gateway -- keys create --project demo --mode test');
     stopOnSignals(async () => {
       await gateway.stop();
       await database.release();

@@ -41,6 +41,7 @@ const optionalText = v.optional(
 const Environment = v.object({
   DATABASE_URL: optionalText,
   PORT: integer('PORT', 8080, 0, 65535),
+  API_PROCESSES: integer('API_PROCESSES', 1, 1, 64),
   HOST: text('0.0.0.0'),
   LOG_LEVEL: v.optional(v.picklist(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']), 'info'),
 
@@ -87,6 +88,8 @@ export interface Config {
   /** Postgres connection string; undefined means "use the embedded database" where that is allowed. */
   readonly databaseUrl: string | undefined;
   readonly port: number;
+  /** API processes sharing PORT (one Node process uses one core). */
+  readonly apiProcesses: number;
   readonly host: string;
   readonly logLevel: 'fatal' | 'error' | 'warn' | 'info' | 'debug' | 'trace' | 'silent';
 
@@ -147,6 +150,7 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
   return Object.freeze({
     databaseUrl: e.DATABASE_URL,
     port: e.PORT,
+    apiProcesses: e.API_PROCESSES,
     host: e.HOST,
     logLevel: e.LOG_LEVEL,
     waitTimeoutMs: e.WAIT_TIMEOUT_MS,

@@ -13,7 +13,7 @@ export function createLogger(
   return pino(
     {
       level: config.logLevel,
-      base: { service: 'gateway' },
+      base: { service: 'gateway', pid: process.pid },
       timestamp: pino.stdTimeFunctions.isoTime,
       formatters: { level: (label) => ({ level: label }) },
       redact: {

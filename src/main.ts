@@ -24,10 +24,12 @@ export interface GatewayOptions {
   logger: Logger;
   role: Role;
   databaseUrl: string;
+  /** false: serve no HTTP at all (the worker of a cluster's primary, whose API processes serve it). */
+  http?: boolean;
 }
 
 export interface Gateway {
-  /** Base URL of its HTTP server: the API, or for role "worker" only health and metrics. */
+  /** Base URL of its HTTP server: the API, or for role "worker" only health and metrics ('' with http: false). */
   url: string;
   metrics: Metrics;
   waiters: Waiters | undefined;
@@ -88,7 +90,9 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       if (role === 'worker') {
         await assertSchemaCurrent(workerPool);
         metrics.watchQueue(db);
-        server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);
+        if (options.http !== false) {
+          server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);
+        }
       }
       const local = waiters;
       worker = await startWorkerService({
@@ -106,8 +110,8 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     throw error;
   }
 
-  const address = server!.address() as AddressInfo;
-  const url = `http://${hostForUrl(address)}:${address.port}`;
+  const address = server?.address() as AddressInfo | undefined;
+  const url = address ? `http://${hostForUrl(address)}:${address.port}` : '';
   logger.info({ role, url }, 'gateway started');
   return { url, metrics, waiters, keys, stop };
 }

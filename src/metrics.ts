@@ -101,6 +101,8 @@ export class Metrics {
       name: `${PREFIX}requests`,
       help: 'Requests not finished yet (the queue), by status and mode, as the database has them.',
       labelNames: ['status', 'mode'] as const,
+      // Every process reads the same rows: across processes the figure is the same, not a sum.
+      aggregator: 'max',
       registers: [this.registry],
       async collect() {
         const { rows } = await sql<{ status: string; mode: string; count: string }>`
@@ -119,8 +121,16 @@ export class Metrics {
     });
   }
 
+  #render: () => Promise<string> = () => this.registry.metrics();
+
+  /** The text of GET /metrics: this registry's, unless renderWith() says otherwise. */
   render(): Promise<string> {
-    return this.registry.metrics();
+    return this.#render();
+  }
+
+  /** For an API process of a cluster (see cluster.ts): its scrape answers for every process. */
+  renderWith(render: () => Promise<string>): void {
+    this.#render = render;
   }
 
   get contentType(): string {

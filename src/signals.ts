@@ -5,7 +5,11 @@
 import { errorSummary } from './db/pool.ts';
 import type { Logger } from './logger.ts';
 
-export function stopOnSignals(stop: () => Promise<void>, logger: Logger): void {
+export function stopOnSignals(
+  stop: () => Promise<void>,
+  logger: Logger,
+  signals: NodeJS.Signals[] = ['SIGINT', 'SIGTERM'],
+): void {
   let stopping = false;
   const onSignal = (signal: NodeJS.Signals) => {
     if (stopping) {
@@ -25,8 +29,7 @@ export function stopOnSignals(stop: () => Promise<void>, logger: Logger): void {
       },
     );
   };
-  process.on('SIGINT', onSignal);
-  process.on('SIGTERM', onSignal);
+  for (const signal of signals) process.on(signal, onSignal);
   process.on('unhandledRejection', (reason) => {
     logger.error({ err: { ...errorSummary(reason), stack: (reason as Error)?.stack } }, 'unhandled rejection');
   });

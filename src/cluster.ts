@@ -1,0 +1,144 @@
+// API_PROCESSES > 1: one Node process cannot use more than one core, so `gateway serve` (and
+// `start`) fork that many API processes sharing PORT (node:cluster). The primary forks them,
+// replaces any that dies, runs the worker role itself for --role all, relays a shutdown to every
+// process, and answers /metrics for all of them: each API process asks it for the sum of
+// everyone's metrics, so a scrape sees the whole service whichever process it reaches.
+import cluster, { type Worker as ClusterChild } from 'node:cluster';
+import client from 'prom-client';
+import type { Config } from './config.ts';
+import { errorSummary } from './db/pool.ts';
+import type { Logger } from './logger.ts';
+import { startGateway, type Gateway, type Role } from './main.ts';
+import type { Metrics } from './metrics.ts';
+
+const RESTART_MIN_MS = 250;
+const RESTART_MAX_MS = 5_000;
+
+type Message =
+  | { type: 'gateway:collect'; id: number }
+  | { type: 'gateway:collected'; id: number; text: string }
+  | { type: 'gateway:metrics?'; id: number }
+  | { type: 'gateway:metrics'; id: number; json: object[] };
+
+export const isClusterChild = () => cluster.isWorker;
+
+export interface ClusterOptions {
+  config: Config;
+  logger: Logger;
+  role: Role;
+  databaseUrl: string;
+  /** Settings the API processes need that this process may have made up (the embedded database). */
+  childEnv: Record<string, string>;
+}
+
+/** In the primary: forks the API processes and runs the worker role (for --role all). */
+export async function startCluster(options: ClusterOptions): Promise<{ stop(): Promise<void> }> {
+  const { config, logger, role } = options;
+  const log = logger.child({ component: 'cluster' });
+  let stopping = false;
+  let restartDelay = RESTART_MIN_MS;
+  const env = { ...options.childEnv, DATABASE_URL: options.databaseUrl };
+  let nextId = 0;
+  const pending = new Map<number, { json: object[][]; left: number; done: (json: object[][]) => void }>();
+
+  const fork = () => {
+    const child = cluster.fork(env);
+    child.on('message', (message: Message) => {
+      if (message.type === 'gateway:collect') {
+        collect().then(
+          (text) => child.isConnected() && child.send({ type: 'gateway:collected', id: message.id, text }),
+          (error: unknown) => log.warn({ err: errorSummary(error) }, 'collecting metrics failed'),
+        );
+      }
+    });
+    return child;
+  };
+
+  cluster.on('exit', (child, code, signal) => {
+    if (stopping) return;
+    log.error({ pid: child.process.pid, code, signal }, 'an API process exited; starting another');
+    setTimeout(fork, restartDelay);
+    restartDelay = Math.min(restartDelay * 2, RESTART_MAX_MS);
+  });
+  cluster.on('listening', () => {
+    restartDelay = RESTART_MIN_MS;
+  });
+
+  // The worker role, in this process; its HTTP (health, metrics) is the API processes'.
+  const worker: Gateway | undefined =
+    role === 'all'
+      ? await startGateway({ config, logger, role: 'worker', databaseUrl: options.databaseUrl, http: false })
+      : undefined;
+
+  for (let i = 0; i < config.apiProcesses; i++) fork();
+  const listening = new Promise<void>((resolve) => {
+    let count = 0;
+    cluster.on('listening', () => {
+      if (++count === config.apiProcesses) resolve();
+    });
+  });
+  await listening;
+  log.info({ apiProcesses: config.apiProcesses, port: config.port }, 'API processes listening');
+
+  cluster.on('message', (_child, message: Message) => {
+    if (message.type !== 'gateway:metrics') return;
+    const entry = pending.get(message.id);
+    if (!entry) return;
+    entry.json.push(message.json);
+    if (--entry.left === 0) entry.done(entry.json);
+  });
+
+  /** Everyone's metrics, summed (gauges by their own aggregator). */
+  async function collect(): Promise<string> {
+    const children = Object.values(cluster.workers ?? {}).filter((child): child is ClusterChild => !!child?.isConnected());
+    const id = nextId++;
+    const fromChildren = new Promise<object[][]>((resolve) => {
+      const entry = { json: [] as object[][], left: children.length, done: resolve };
+      pending.set(id, entry);
+      // A process that does not answer in time is left out of this scrape.
+      setTimeout(() => resolve(entry.json), 2_000).unref();
+    });
+    for (const child of children) child.send({ type: 'gateway:metrics?', id });
+    const json = await fromChildren;
+    pending.delete(id);
+    if (worker) json.push(await worker.metrics.registry.getMetricsAsJSON());
+    return client.AggregatorRegistry.aggregate(json).metrics();
+  }
+
+  return {
+    async stop() {
+      stopping = true;
+      const children = Object.values(cluster.workers ?? {}).filter((child): child is ClusterChild => !!child);
+      const exited = children.map((child) => new Promise<void>((resolve) => child.once('exit', () => resolve())));
+      // Each API process drains itself: no new connections, waiters answered, then it exits.
+      for (const child of children) child.process.kill('SIGTERM');
+      await Promise.all(exited);
+      await worker?.stop();
+    },
+  };
+}
+
+/** In an API process of the cluster: its /metrics is everyone's, collected by the primary. */
+export function shareMetricsWithPrimary(metrics: Metrics): void {
+  let nextId = 0;
+  const waiting = new Map<number, (text: string) => void>();
+  process.on('message', (message: Message) => {
+    if (message.type === 'gateway:metrics?') {
+      metrics.registry.getMetricsAsJSON().then((json) => process.send?.({ type: 'gateway:metrics', id: message.id, json }));
+    } else if (message.type === 'gateway:collected') {
+      waiting.get(message.id)?.(message.text);
+      waiting.delete(message.id);
+    }
+  });
+  metrics.renderWith(
+    () =>
+      new Promise<string>((resolve, reject) => {
+        const id = nextId++;
+        waiting.set(id, resolve);
+        process.send?.({ type: 'gateway:collect', id });
+        setTimeout(() => {
+          if (waiting.delete(id)) reject(new Error('the primary process did not answer with the metrics'));
+        }, 5_000).unref();
+      }),
+  );
+}

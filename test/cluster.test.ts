@@ -1,0 +1,78 @@
+// API_PROCESSES > 1: several API processes share the port, the primary runs the worker, a
+// scrape of /metrics counts every process, a killed API process is replaced, and SIGTERM stops
+// them all cleanly.
+import { spawn } from 'node:child_process';
+import { createServer } from 'node:net';
+import t from 'tap';
+import { startTestGateway } from './helpers/gateway.ts';
+import { clientFor, send, userMessage } from './helpers/http.ts';
+
+const freePort = () =>
+  new Promise<number>((resolve) => {
+    const server = createServer().listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as { port: number };
+      server.close(() => resolve(port));
+    });
+  });
+
+t.test('two API processes and a worker, started by one gateway serve', async (t) => {
+  const setup = await startTestGateway(t, { role: 'api' });
+  await setup.stop();
+  const key = await setup.createKey();
+  const port = await freePort();
+  const child = spawn(process.execPath, [...process.execArgv, new URL('../src/cli.ts', import.meta.url).pathname, 'serve'], {
+    env: {
+      ...process.env,
+      DATABASE_URL: setup.databaseUrl,
+      SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
+      PORT: String(port),
+      HOST: '127.0.0.1',
+      API_PROCESSES: '2',
+      LOG_LEVEL: 'info',
+    },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let output = '';
+  child.stdout.on('data', (chunk) => (output += chunk));
+  child.stderr.on('data', (chunk) => (output += chunk));
+  const exited = new Promise<number | null>((resolve) => child.on('exit', resolve));
+  t.teardown(() => {
+    if (child.exitCode === null) child.kill('SIGKILL');
+  });
+  const until = async (condition: () => boolean, what: string) => {
+    for (let i = 0; !condition(); i++) {
+      if (i > 500) throw new Error(`timed out waiting for ${what}:\n${output}`);
+      await new Promise((resolve) => setTimeout(resolve, 20));
+    }
+  };
+  const pidsOf = (message: string) =>
+    output
+      .split('\n')
+      .filter((line) => line.includes(`"msg":"${message}"`))
+      .map((line) => JSON.parse(line).pid as number);
+  await until(() => output.includes('API processes listening'), 'the API processes');
+
+  const url = `http://127.0.0.1:${port}`;
+  const client = clientFor(url, key);
+  const answers = await Promise.all(
+    Array.from({ length: 20 }, (_, i) => client.post({ model: 'test-echo', messages: userMessage(`n${i}`), wait: true })),
+  );
+  t.same(new Set(answers.map((answer) => answer.status)), new Set([200]), 'all 20 completed through the cluster');
+  const apiPids = pidsOf('gateway started').filter((pid) => pid !== child.pid);
+  t.equal(new Set(apiPids).size, 2, 'two API processes started');
+
+  const metrics = (await send(url, { path: '/metrics' })).text;
+  t.match(metrics, /gateway_requests_accepted_total\{mode="test"\} 20\n/, 'the scrape counts the requests of both processes');
+  t.match(metrics, /gateway_attempts_total\{mode="test",outcome="succeeded",code="none"\} 20\n/, 'and the worker\'s attempts');
+
+  // A killed API process is replaced; the service keeps answering.
+  process.kill(apiPids[0]!, 'SIGKILL');
+  await until(() => output.includes('an API process exited; starting another'), 'the replacement');
+  await until(() => pidsOf('gateway started').filter((pid) => pid !== child.pid).length === 3, 'a third API process');
+  const after = await client.post({ model: 'test-echo', messages: userMessage('after'), wait: true });
+  t.equal(after.status, 200);
+
+  child.kill('SIGTERM');
+  t.equal(await exited, 0, 'exits 0 on SIGTERM');
+  t.equal(pidsOf('shut down cleanly').length, 3, 'the primary and both API processes shut down cleanly');
+});
