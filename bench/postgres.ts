@@ -3,11 +3,11 @@
 // database of its own, cloned from a template that was migrated and given a test key once;
 // all of them are dropped at the end.
 import { readFileSync } from 'node:fs';
-import { createServer } from 'node:net';
 import path from 'node:path';
 import pg from 'pg';
 import { startEmbeddedPostgres } from '../src/db/embedded.ts';
 import { createLogger } from '../src/logger.ts';
+import { freePort } from '../test/helpers/ports.ts';
 
 export const BENCH_APPLICATION_NAME = 'gateway-bench';
 
@@ -146,13 +146,4 @@ function parentPid(pid: number): number | undefined {
   }
 }
 
-export function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as { port: number };
-      server.close(() => resolve(port));
-    });
-  });
-}
+export { freePort };

@@ -4,7 +4,6 @@
 import { spawn } from 'node:child_process';
 import { existsSync, statSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
-import { createServer } from 'node:net';
 import path from 'node:path';
 import pg from 'pg';
 import { loadConfig } from '../src/config.ts';
@@ -13,6 +12,7 @@ import { migrate } from '../src/db/migrate.ts';
 import { createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
 import { urlForDatabase } from '../test/helpers/database.ts';
+import { freePort } from '../test/helpers/ports.ts';
 
 const config = loadConfig();
 const logger = createLogger({ logLevel: 'warn' }, process.stderr);
@@ -69,15 +69,4 @@ async function withClient<T>(url: string, run: (client: pg.Client) => Promise<T>
   } finally {
     await client.end();
   }
-}
-
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as { port: number };
-      server.close(() => resolve(port));
-    });
-  });
 }

@@ -2,18 +2,10 @@
 // scrape of /metrics counts every process, a killed API process is replaced, and SIGTERM stops
 // them all cleanly.
 import { spawn } from 'node:child_process';
-import { createServer } from 'node:net';
 import t from 'tap';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
-
-const freePort = () =>
-  new Promise<number>((resolve) => {
-    const server = createServer().listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as { port: number };
-      server.close(() => resolve(port));
-    });
-  });
+import { freePort } from './helpers/ports.ts';
 
 t.test('two API processes and a worker, started by one gateway serve', async (t) => {
   const setup = await startTestGateway(t, { role: 'api' });

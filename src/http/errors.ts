@@ -15,7 +15,9 @@ export function renderError(ctx: ParameterizedContext, caught: unknown, logger: 
 function toApiError(error: unknown, logger: Logger, method: string, path: string): ApiError {
   if (error instanceof ApiError) return error;
   if (isDatabaseUnavailable(error)) {
-    logger.warn({ method, path, err: errorSummary(error) }, 'database unavailable');
+    // (A caller that waited too long for a pooled connection lands here too: overload, which the
+    // same 503 and retry-after also answer well.)
+    logger.warn({ method, path, err: errorSummary(error) }, 'database unreachable, or no pooled connection free in time');
     return serviceUnavailable();
   }
   // The stack goes to the log; the client learns only that it was our fault. Only the error's

@@ -1,8 +1,8 @@
 // Live mode against a real OpenAI-compatible server on loopback: each upstream answer ends in
 // the contract's state and attempt error code (CONTRACT.md section 1).
-import { createServer } from 'node:net';
 import t, { type Test } from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
+import { freePort } from '../helpers/ports.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
@@ -80,12 +80,7 @@ for (const [name, reply, code, upstreamStatus] of [
 }
 
 t.test('connection refused: upstream_connection_error', async (t) => {
-  const closedPort = await new Promise<number>((resolve) => {
-    const server = createServer().listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as { port: number };
-      server.close(() => resolve(port));
-    });
-  });
+  const closedPort = await freePort();
   const gateway = await startTestGateway(t, {
     env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${closedPort}/v1`, MAX_ATTEMPTS: '2' },
   });

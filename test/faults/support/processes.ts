@@ -3,8 +3,8 @@
 // the run's log directory, killed with any signal and started again.
 import { spawn, type ChildProcess } from 'node:child_process';
 import { appendFileSync } from 'node:fs';
-import { createServer } from 'node:net';
 import type { Role } from '../../../src/main.ts';
+import { freePort } from '../../helpers/ports.ts';
 
 const CLI = new URL('../../../src/cli.ts', import.meta.url).pathname;
 const ROOT = new URL('../../../', import.meta.url).pathname;
@@ -158,16 +158,7 @@ export function parseLine(line: string): Record<string, unknown> | undefined {
   }
 }
 
-export function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as { port: number };
-      server.close(() => resolve(port));
-    });
-  });
-}
+export { freePort };
 
 export const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 
