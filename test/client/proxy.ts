@@ -2,7 +2,7 @@
 // scripted 503, forwards it but drops the connection instead of relaying the answer (the request
 // reached the gateway; the client never hears back), or forwards it and relays the answer.
 import http from 'node:http';
-import type { AddressInfo } from 'node:net';
+import { listenOnLoopback } from '../helpers/ports.ts';
 
 export type ProxyStep = 'unavailable' | 'forward-then-drop' | 'forward';
 
@@ -64,14 +64,6 @@ export async function startFlakyProxy(t: Teardown, target: string, steps: ProxyS
     response.writeHead(forwarded.status, relayed);
     response.end(call.answer.body);
   });
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-  t.teardown(
-    () =>
-      new Promise<void>((resolve) => {
-        server.closeAllConnections();
-        server.close(() => resolve());
-      }),
-  );
-  const { port } = server.address() as AddressInfo;
+  const port = await listenOnLoopback(t, server);
   return { url: `http://127.0.0.1:${port}`, calls };
 }

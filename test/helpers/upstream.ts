@@ -1,7 +1,7 @@
 // A real OpenAI-compatible server on loopback, scripted by the test: each call to
 // POST /v1/chat/completions is answered by `reply`, which may also hang or drop the socket.
 import http from 'node:http';
-import type { AddressInfo } from 'node:net';
+import { listenOnLoopback } from './ports.ts';
 
 export interface ReceivedCall {
   count: number;
@@ -48,15 +48,7 @@ export async function startFakeUpstream(
     response.writeHead(answer.status, { 'content-type': 'application/json', ...answer.headers });
     response.end(body);
   });
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-  t.teardown(
-    () =>
-      new Promise<void>((resolve) => {
-        server.closeAllConnections();
-        server.close(() => resolve());
-      }),
-  );
-  const { port } = server.address() as AddressInfo;
+  const port = await listenOnLoopback(t, server);
   return { baseUrl: `http://127.0.0.1:${port}/v1`, calls };
 }
 

@@ -21,15 +21,20 @@ async function gatedUpstream(t: Test) {
   };
 }
 
-t.test('queued -> processing -> retrying -> processing -> completed', async (t) => {
-  const upstream = await gatedUpstream(t);
-  const env = { UPSTREAM_BASE_URL: upstream.baseUrl };
+/** A live request accepted by an API with no worker: it stays queued until the test starts one. */
+async function acceptWithoutWorker(t: Test, env: Record<string, string>) {
   const api = await startTestGateway(t, { role: 'api', env });
   const accepted = await clientFor(api.url, await api.createKey({ mode: 'live' })).post({
     model: 'gpt-test',
     messages: userMessage(),
   });
-  const id = accepted.body.id;
+  return { api, id: accepted.body.id as string };
+}
+
+t.test('queued -> processing -> retrying -> processing -> completed', async (t) => {
+  const upstream = await gatedUpstream(t);
+  const env = { UPSTREAM_BASE_URL: upstream.baseUrl };
+  const { api, id } = await acceptWithoutWorker(t, env);
   t.match(await requestRow(api.db, id), { status: 'queued', attempts: 0 }, 'queued');
 
   await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env });
@@ -95,12 +100,7 @@ t.test('a terminal request is never run again, whatever jobs name it', async (t)
 t.test('an attempt whose worker died is recorded as worker_lost and the request is retried', async (t) => {
   const upstream = await startFakeUpstream(t);
   const env = { UPSTREAM_BASE_URL: upstream.baseUrl };
-  const api = await startTestGateway(t, { role: 'api', env });
-  const accepted = await clientFor(api.url, await api.createKey({ mode: 'live' })).post({
-    model: 'gpt-test',
-    messages: userMessage(),
-  });
-  const id = accepted.body.id;
+  const { api, id } = await acceptWithoutWorker(t, env);
   // A worker claims attempt 1 and dies before recording anything: its job is left behind
   // (released, as the dead-worker sweep does) and runs again.
   t.ok(await repository.claimAttempt(api.db, id, 1, 'worker-that-died'));

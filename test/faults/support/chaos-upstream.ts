@@ -5,7 +5,7 @@
 // completion), and every call is remembered with what it was answered, so a test can work out
 // which code each attempt of each request must have ended with.
 import http from 'node:http';
-import type { AddressInfo } from 'node:net';
+import { listenOnLoopback } from '../../helpers/ports.ts';
 
 export const BEHAVIOURS = {
   ok: { weight: 38, code: null },
@@ -153,15 +153,7 @@ export async function startChaosUpstream(
   // The gateway, not this server, decides when a kept-alive connection ends: a connection this
   // server closed just as a call was sent on it would be a failure it never answered.
   server.keepAliveTimeout = 120_000;
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-  t.teardown(
-    () =>
-      new Promise<void>((resolve) => {
-        server.closeAllConnections();
-        server.close(() => resolve());
-      }),
-  );
-  const { port } = server.address() as AddressInfo;
+  const port = await listenOnLoopback(t, server);
   return { baseUrl: `http://127.0.0.1:${port}/v1`, calls, callsFor: (tag) => byTag.get(tag) ?? [] };
 }
 
