@@ -9,7 +9,7 @@ import type { Config } from './config.ts';
 import { startEmbeddedPostgres } from './db/embedded.ts';
 import type { Logger } from './logger.ts';
 
-export interface Database {
+export interface LocalDatabase {
   url: string;
   /** true when this is the embedded Postgres under DATA_DIR. */
   embedded: boolean;
@@ -17,7 +17,7 @@ export interface Database {
   release(): Promise<void>;
 }
 
-export async function openDatabase(config: Config, logger: Logger): Promise<Database> {
+export async function openDatabase(config: Config, logger: Logger): Promise<LocalDatabase> {
   if (config.databaseUrl !== undefined) {
     return { url: config.databaseUrl, embedded: false, release: async () => {} };
   }

@@ -1,12 +1,10 @@
 // Riding out a database outage: a statement that failed because the database is unreachable
-// is tried again, with backoff, until it succeeds, the time allowed is over, or the caller gives up.
+// is tried again, with backoff, until it succeeds or the time allowed is over.
 import { isDatabaseUnavailable } from './pool.ts';
 
 export interface RetryOptions {
   /** Give up (rethrow) once this much time has passed. */
   maxWaitMs: number;
-  /** Give up at once when this aborts (a shutdown). */
-  signal?: AbortSignal;
   onRetry?: (error: unknown, delayMs: number) => void;
 }
 
@@ -16,7 +14,7 @@ export async function whileUnavailable<T>(run: () => Promise<T>, options: RetryO
     try {
       return await run();
     } catch (error) {
-      if (!isDatabaseUnavailable(error) || options.signal?.aborted || Date.now() + delay > deadline) throw error;
+      if (!isDatabaseUnavailable(error) || Date.now() + delay > deadline) throw error;
       options.onRetry?.(error, delay);
       await new Promise((resolve) => setTimeout(resolve, delay));
     }

@@ -10,8 +10,7 @@ import {
   type ChatMessage,
 } from '../../src/client/index.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
-import { startFlakyProxy } from './proxy.ts';
-import { checkSignature } from './support.ts';
+import { signaturesOf, startFlakyProxy } from './proxy.ts';
 
 const messages = (content = 'Hello there'): ChatMessage[] => [{ role: 'user', content }];
 
@@ -157,14 +156,7 @@ t.test('retries through a 503 and a dropped connection make exactly one request'
   const bodies = proxy.calls.map((call) => JSON.parse(call.body));
   t.equal(new Set(bodies.map((body) => body.idempotency_key)).size, 1, 'one idempotency key throughout');
   t.equal(rows[0]!.idempotency_key, bodies[0].idempotency_key);
-  const signatures = proxy.calls.map((call) =>
-    checkSignature(call.headers['svc-signature'] as string, {
-      secret: key.signing_secret,
-      method: call.method,
-      path: call.path,
-      body: call.body,
-    }),
-  );
+  const signatures = signaturesOf(proxy.calls, key.signing_secret);
   t.ok(signatures.every((signature) => signature.valid), 'every attempt validly signed');
   t.equal(new Set(signatures.map((signature) => signature.nonce)).size, 3, 'a new nonce for each attempt');
   t.equal(proxy.calls[1]!.answer?.status, 200, 'the dropped attempt was accepted by the gateway');

@@ -3,8 +3,7 @@ import OpenAI from 'openai';
 import t from 'tap';
 import { createSigningFetch } from '../../src/client/index.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
-import { startFlakyProxy } from './proxy.ts';
-import { checkSignature } from './support.ts';
+import { signaturesOf, startFlakyProxy } from './proxy.ts';
 
 async function setUp(t: Parameters<typeof startTestGateway>[0]) {
   const gateway = await startTestGateway(t, { env: { SIGNATURES: 'required' } });
@@ -57,14 +56,7 @@ t.test("the SDK's own retries are signed afresh and accepted", async (t) => {
   t.equal(completion.object, 'chat.completion');
   t.equal(proxy.calls.length, 2, 'the 503 was retried by the SDK');
   t.equal(proxy.calls[0]!.body, proxy.calls[1]!.body);
-  const signatures = proxy.calls.map((call) =>
-    checkSignature(call.headers['svc-signature'] as string, {
-      secret: key.signing_secret,
-      method: call.method,
-      path: call.path,
-      body: call.body,
-    }),
-  );
+  const signatures = signaturesOf(proxy.calls, key.signing_secret);
   t.ok(signatures.every((signature) => signature.valid), 'both attempts validly signed');
   t.not(signatures[0]!.nonce, signatures[1]!.nonce, 'each attempt with its own nonce');
   t.equal(proxy.calls[1]!.answer?.status, 200, 'the gateway accepted the retry');

@@ -3,6 +3,7 @@
 // reached the gateway; the client never hears back), or forwards it and relays the answer.
 import http from 'node:http';
 import { listenOnLoopback } from '../helpers/ports.ts';
+import { checkSignature, type CheckedSignature } from './support.ts';
 
 export type ProxyStep = 'unavailable' | 'forward-then-drop' | 'forward';
 
@@ -66,4 +67,11 @@ export async function startFlakyProxy(t: Teardown, target: string, steps: ProxyS
   });
   const port = await listenOnLoopback(t, server);
   return { url: `http://127.0.0.1:${port}`, calls };
+}
+
+/** Each proxied call's Svc-Signature, checked against the secret (computed with node:crypto). */
+export function signaturesOf(calls: readonly ProxiedCall[], secret: string): CheckedSignature[] {
+  return calls.map((call) =>
+    checkSignature(call.headers['svc-signature'] as string, { secret, method: call.method, path: call.path, body: call.body }),
+  );
 }
