@@ -68,6 +68,7 @@ const Environment = v.object({
   RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0),
 
   WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 100, 1, 10_000),
+  LOCAL_ATTEMPTS: integer('LOCAL_ATTEMPTS', 100, 0, 10_000),
   WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10),
   RETENTION_DAYS: integer('RETENTION_DAYS', 30, 1, 36_500),
   BODY_RETENTION_HOURS: optionalInteger('BODY_RETENTION_HOURS', 1),
@@ -117,6 +118,11 @@ export interface Config {
   readonly bodyRetentionHours: number | undefined;
 
   readonly workerConcurrency: number;
+  /**
+   * wait=true requests that a process running both the API and a worker runs itself at once,
+   * without the queue's hops (worker/local-attempts.ts); 0: every request takes the queue.
+   */
+  readonly localAttempts: number;
   readonly workerPollIntervalMs: number;
   /** A worker pool not heard from for this long is presumed dead and its jobs released. */
   readonly workerDeadAfterMs: number;
@@ -167,6 +173,7 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     retentionDays: e.RETENTION_DAYS,
     bodyRetentionHours: e.BODY_RETENTION_HOURS,
     workerConcurrency: e.WORKER_CONCURRENCY,
+    localAttempts: e.LOCAL_ATTEMPTS,
     workerPollIntervalMs: e.WORKER_POLL_INTERVAL_MS,
     workerDeadAfterMs: e.WORKER_DEAD_AFTER_MS,
     shutdownGraceMs: e.SHUTDOWN_GRACE_MS,

@@ -7,7 +7,7 @@ import type { Duplex } from 'node:stream';
 import type pg from 'pg';
 import { ConfigError, type Config } from './config.ts';
 import { schemaVersion } from './db/migrate.ts';
-import { createDb, createPool } from './db/pool.ts';
+import { createDb, createPool, type Db } from './db/pool.ts';
 import { ApiError, invalidRequest } from './errors.ts';
 import { createApp, createOpsApp } from './http/app.ts';
 import type { Logger } from './logger.ts';
@@ -15,6 +15,8 @@ import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
 import { Waiters } from './requests/waiters.ts';
+import { LocalAttempts } from './worker/local-attempts.ts';
+import { createAttempts, type Attempts } from './worker/process-request.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 
 export type Role = 'all' | 'api' | 'worker';
@@ -51,9 +53,12 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   let keys: KeyCache | undefined;
   let server: http.Server | undefined;
   let worker: WorkerService | undefined;
+  let local: LocalAttempts | undefined;
   const metrics = new Metrics();
 
   const stop = async () => {
+    // Running attempts, local ones and the queue's, get SHUTDOWN_GRACE_MS while the server closes.
+    const attemptsStopped = Promise.all([local?.stop(), worker?.stop()]);
     if (server) {
       const closed = closeServer(server);
       // Waiting wait=true requests are answered now with their acknowledgement, rather than
@@ -62,13 +67,41 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       await closed;
     }
     waiters?.close();
+    await attemptsStopped;
     await listener?.close();
-    await worker?.stop();
     await workerPool?.end();
     await apiPool?.end();
   };
 
   try {
+    // The worker's side first (it opens no connection yet): the API of the same process runs
+    // wait=true requests on it (local attempts).
+    let workerDb: Db | undefined;
+    let attempts: Attempts | undefined;
+    if (role !== 'api') {
+      workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
+      workerDb = createDb(workerPool);
+      metrics.watchPool('worker', workerPool);
+      attempts = createAttempts({
+        db: workerDb,
+        config,
+        metrics,
+        logger,
+        // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
+        onFinished: (id) => waiters?.wake([id]),
+      });
+      if (role === 'all' && config.localAttempts > 0) {
+        local = new LocalAttempts({
+          attempts,
+          db: workerDb,
+          logger,
+          capacity: config.localAttempts,
+          leaseMs: config.workerDeadAfterMs,
+          graceMs: config.shutdownGraceMs,
+        });
+        metrics.watchLocalAttempts(local);
+      }
+    }
     if (role !== 'worker') {
       apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
       await assertSchemaCurrent(apiPool);
@@ -80,30 +113,18 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       metrics.watchPool('api', apiPool);
       metrics.watchWaiters(waiters);
       metrics.watchQueue(db);
-      const app = createApp({ config, pool: apiPool, db, waiters, keys, metrics, logger });
+      const app = createApp({ config, pool: apiPool, db, waiters, keys, metrics, logger, local });
       server = await listen(app.callback(), config);
     }
-    if (role !== 'api') {
-      workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
-      const db = createDb(workerPool);
-      metrics.watchPool('worker', workerPool);
+    if (workerPool && workerDb && attempts) {
       if (role === 'worker') {
         await assertSchemaCurrent(workerPool);
-        metrics.watchQueue(db);
+        metrics.watchQueue(workerDb);
         if (options.http !== false) {
           server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);
         }
       }
-      const local = waiters;
-      worker = await startWorkerService({
-        config,
-        pool: workerPool,
-        db,
-        metrics,
-        logger,
-        // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
-        ...(local ? { onFinished: (id: string) => local.wake([id]) } : {}),
-      });
+      worker = await startWorkerService({ config, pool: workerPool, db: workerDb, metrics, logger, attempts });
     }
   } catch (error) {
     await stop().catch(() => {});

@@ -87,6 +87,18 @@ export class Metrics {
     });
   }
 
+  /** gateway_local_attempts: wait=true requests this process is running itself (LOCAL_ATTEMPTS). */
+  watchLocalAttempts(local: { readonly size: number }): void {
+    new client.Gauge({
+      name: `${PREFIX}local_attempts`,
+      help: 'Attempts of wait=true requests run by the process that accepted them (at most LOCAL_ATTEMPTS).',
+      registers: [this.registry],
+      collect() {
+        this.set(local.size);
+      },
+    });
+  }
+
   /** gateway_db_pool_connections{pool,state}: in use, idle, and callers waiting for a connection. */
   watchPool(name: string, pool: pg.Pool): void {
     this.#pools.set(name, pool);

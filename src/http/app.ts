@@ -15,6 +15,7 @@ import { Batcher } from '../db/batcher.ts';
 import { InsertBatcher } from '../requests/insert-batcher.ts';
 import { findRequests } from '../requests/repository.ts';
 import type { Waiters } from '../requests/waiters.ts';
+import type { LocalAttempts } from '../worker/local-attempts.ts';
 import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
 import type { GatewayContext, GatewayState, Step } from './context.ts';
@@ -35,6 +36,8 @@ export interface AppDeps extends OpsDeps {
   db: Db;
   waiters: Waiters;
   keys: KeyCache;
+  /** Runs wait=true requests in this process (role all); undefined: all take the queue. */
+  local?: LocalAttempts | undefined;
 }
 
 export function createApp(deps: AppDeps): Koa<GatewayState> {
@@ -49,6 +52,7 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
     waiters: deps.waiters,
     metrics: deps.metrics,
     config: deps.config,
+    local: deps.local,
   };
   const signed = verifyRequestSignature(deps.config, deps.keys);
   const authenticated = authenticate(deps.db, deps.keys);

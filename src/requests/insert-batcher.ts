@@ -4,11 +4,12 @@
 // acknowledged. A nonce repeated within one group is a replay: only its first use is written.
 import { Batcher } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
-import { insertRequests, type InsertResult, type NewRequest, type Nonce } from './repository.ts';
+import { insertRequests, type InsertResult, type Lease, type NewRequest, type Nonce } from './repository.ts';
 
 interface Item {
   request: NewRequest;
   nonce: Nonce | undefined;
+  lease: Lease | undefined;
 }
 
 export interface InsertBatcherOptions {
@@ -33,8 +34,8 @@ export class InsertBatcher {
     return { statements: this.#batcher.stats.statements, requests: this.#batcher.stats.items };
   }
 
-  insert(request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
-    return this.#batcher.submit({ request, nonce });
+  insert(request: NewRequest, nonce: Nonce | undefined, lease?: Lease): Promise<InsertResult> {
+    return this.#batcher.submit({ request, nonce, lease });
   }
 }
 

@@ -43,8 +43,20 @@ export interface Nonce {
   expires_at: Date;
 }
 
+/**
+ * A request that the accepting process runs itself (wait=true, a worker in the same process):
+ * it is stored with its first attempt already started by `workerId`, and its job is a lease,
+ * due only `leaseMs` from now. If the process dies, the job comes due and a worker recovers
+ * the attempt as worker_lost; while the attempt runs, the process pushes the job back
+ * (worker/local-attempts.ts); its outcome removes the job.
+ */
+export interface Lease {
+  workerId: string;
+  leaseMs: number;
+}
+
 export type InsertResult =
-  | { kind: 'inserted'; answer: RequestAnswer }
+  | { kind: 'inserted'; answer: RequestAnswer; leaseJobId?: string }
   /** The nonce was already used by this key: nothing was stored. */
   | { kind: 'replayed_nonce' }
   /** The idempotency key is taken in this project and mode: only the nonce was stored. */
@@ -55,11 +67,12 @@ export type InsertResult =
  * were signed, the requests whose nonce was new (or that had none), and one add_jobs call for
  * all their first jobs (graphile-worker's NOTIFY, taken once per commit, is what limits
  * one-request transactions). A nonce and its request are stored together or not at all.
+ * An item with a lease is stored as processing, with its attempt row, and its job is the lease.
  * Returns one result per item, in order.
  */
 export async function insertRequests(
   db: Db,
-  items: readonly { request: NewRequest; nonce: Nonce | undefined }[],
+  items: readonly { request: NewRequest; nonce: Nonce | undefined; lease?: Lease | undefined }[],
 ): Promise<InsertResult[]> {
   const column = <T>(pick: (item: (typeof items)[number]) => T) => items.map(pick);
   const { rows } = await sql<{
@@ -68,6 +81,7 @@ export async function insertRequests(
     id: string | null;
     status: RequestStatus | null;
     created_at: Date | null;
+    lease_job_id: string | null;
   }>`
     with input as (
       select * from unnest(
@@ -80,9 +94,11 @@ export async function insertRequests(
         ${column((i) => i.request.body_sha256)}::bytea[],
         ${column((i) => i.request.idempotency_key)}::text[],
         ${column((i) => i.nonce?.nonce ?? null)}::text[],
-        ${column((i) => i.nonce?.expires_at ?? null)}::timestamptz[]
+        ${column((i) => i.nonce?.expires_at ?? null)}::timestamptz[],
+        ${column((i) => i.lease?.workerId ?? null)}::text[],
+        ${column((i) => i.lease?.leaseMs ?? null)}::float8[]
       ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
-                              nonce, nonce_expires_at, ord)
+                              nonce, nonce_expires_at, lease_worker_id, lease_ms, ord)
     ), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
       select api_key_id, nonce, nonce_expires_at from input where nonce is not null
@@ -94,25 +110,38 @@ export async function insertRequests(
          or exists (select from nonces where nonces.api_key_id = input.api_key_id and nonces.nonce = input.nonce)
     ), inserted as (
       insert into gateway.requests
-        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key)
-      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key from accepted
+        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, status, attempts)
+      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key,
+             case when lease_worker_id is null then 'queued' else 'processing' end,
+             case when lease_worker_id is null then 0 else 1 end
+      from accepted
       on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
       returning id, status, created_at
-    ), queued as (
-      select count(*) as jobs
+    ), started as (
+      insert into gateway.request_attempts (request_id, attempt_number, worker_id)
+      select id, 1, accepted.lease_worker_id
+      from inserted join accepted using (id)
+      where accepted.lease_worker_id is not null
+    ), jobs as (
+      select jobs.id as job_id, jobs.payload->>'request_id' as request_id
       from graphile_worker.add_jobs(array(
         select row(${PROCESS_REQUEST}, json_build_object('request_id', id, 'attempt', 1),
-                   null, null, null, null, null, null)::graphile_worker.job_spec
-        from inserted
-      ))
+                   null, now() + accepted.lease_ms * interval '1 millisecond',
+                   null, null, null, null)::graphile_worker.job_spec
+        from inserted join accepted using (id)
+      )) as jobs
       where exists (select from inserted)
+    ), queued as (
+      select count(*) as jobs from jobs
     )
     select input.ord, accepted.id is not null as nonce_accepted,
-           inserted.id, inserted.status, inserted.created_at
+           inserted.id, inserted.status, inserted.created_at,
+           case when input.lease_worker_id is not null then jobs.job_id end as lease_job_id
     from input
     cross join queued
     left join accepted on accepted.ord = input.ord
     left join inserted on inserted.id = input.id
+    left join jobs on jobs.request_id = inserted.id
     order by input.ord
   `.execute(db);
   return rows.map((row, index): InsertResult => {
@@ -127,6 +156,7 @@ export async function insertRequests(
         result: null,
         body_sha256: items[index]!.request.body_sha256,
       },
+      ...(row.lease_job_id === null ? {} : { leaseJobId: row.lease_job_id }),
     };
   });
 }
@@ -235,17 +265,22 @@ export interface AttemptFailure extends AttemptReport {
 }
 
 /** How an attempt ended, and so what becomes of its request. */
-export type Finish =
+export type Finish = (
   | ({ kind: 'completed'; id: string; attempt: number; result: string } & AttemptReport)
   | ({ kind: 'failed'; id: string; attempt: number } & AttemptFailure)
-  | ({ kind: 'retrying'; id: string; attempt: number; delayMs: number } & AttemptFailure);
+  | ({ kind: 'retrying'; id: string; attempt: number; delayMs: number } & AttemptFailure)
+) & {
+  /** The lease job of an attempt run by its accepting process (see Lease): removed with it. */
+  leaseJobId?: string | undefined;
+};
 
 /**
  * Records how attempts ended, a group at a time, in one statement: each attempt row, its
  * request (completed, failed, or retrying with its next attempt due), and one add_jobs for
  * the next attempts. Each is guarded twice: the attempt must still be running, and the request
  * still processing this very attempt; so a worker presumed dead that comes back late changes
- * nothing. Returns, per finish, whether it was applied.
+ * nothing. Lease jobs named are removed whether or not their finish applies (a lease job that a
+ * worker has already taken is locked, and left alone). Returns, per finish, whether it was applied.
  */
 export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promise<boolean[]> {
   const column = <T>(pick: (finish: Finish) => T) => finishes.map(pick);
@@ -261,8 +296,10 @@ export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promi
         ${column((f) => failure(f)?.detail ?? null)}::text[],
         ${column((f) => f.upstreamStatus)}::int[],
         ${column((f) => f.durationMs)}::int[],
-        ${column((f) => (f.kind === 'retrying' ? f.delayMs : null))}::float8[]
-      ) with ordinality as t(id, attempt, kind, result, code, detail, upstream_status, duration_ms, delay_ms, ord)
+        ${column((f) => (f.kind === 'retrying' ? f.delayMs : null))}::float8[],
+        ${column((f) => f.leaseJobId ?? null)}::bigint[]
+      ) with ordinality as t(id, attempt, kind, result, code, detail, upstream_status, duration_ms, delay_ms,
+                              lease_job_id, ord)
     ), attempt_rows as (
       update gateway.request_attempts
       set outcome = case when input.kind = 'completed' then 'succeeded' else 'failed' end,
@@ -291,10 +328,15 @@ export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promi
         from finished where status = 'retrying'
       ))
       where exists (select from finished where status = 'retrying')
+    ), leases_ended as (
+      select count(*) as jobs
+      from graphile_worker.complete_jobs(array(select lease_job_id from input where lease_job_id is not null))
+      where exists (select from input where lease_job_id is not null)
     )
     select input.ord, finished.id is not null as applied
     from input
     cross join queued
+    cross join leases_ended
     left join finished on finished.id = input.id
     order by input.ord
   `.execute(db);
@@ -353,4 +395,12 @@ export async function dropBodiesBefore(
     select (select count(*) from dropped) as dropped, (select count(*) from batch) as scanned
   `.execute(db);
   return { dropped: Number(rows[0]?.dropped ?? 0), more: Number(rows[0]?.scanned ?? 0) === limit };
+}
+
+/** Pushes lease jobs (see Lease) back to `leaseMs` from now; those a worker has taken stay as they are. */
+export async function renewLeases(db: Db, jobIds: readonly string[], leaseMs: number): Promise<void> {
+  await sql`
+    select count(*) from graphile_worker.reschedule_jobs(
+      ${jobIds}::bigint[], run_at => now() + ${leaseMs}::float8 * interval '1 millisecond')
+  `.execute(db);
 }

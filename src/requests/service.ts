@@ -12,9 +12,11 @@ import type { Metrics } from '../metrics.ts';
 import { replayedRequest, SIGNATURE_WINDOW_SECONDS, type VerifiedSignature } from '../keys/signatures.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import * as repository from './repository.ts';
-import type { Nonce, RequestAnswer, RequestRow } from './repository.ts';
+import type { Lease, Nonce, RequestAnswer, RequestRow } from './repository.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
+import type { LocalAttempts } from '../worker/local-attempts.ts';
+import type { Recorded } from '../worker/process-request.ts';
 
 export type { RequestRow } from './repository.ts';
 
@@ -26,6 +28,8 @@ export interface RequestDeps {
   waiters: Waiters;
   metrics: Metrics;
   config: Pick<Config, 'waitTimeoutMs'>;
+  /** Where this process also runs a worker: runs wait=true requests here, while it has room. */
+  local?: LocalAttempts | undefined;
 }
 
 export interface SubmitOptions {
@@ -44,7 +48,8 @@ const isTerminal = (status: RequestStatus) => TERMINAL_STATUSES.includes(status)
 /**
  * Stores the request with its job (or finds the one its idempotency key names) and, for
  * wait=true, holds on until it finishes or the wait timeout passes. Resolves only after the
- * request is committed, so every id it returns is durable.
+ * request is committed, so every id it returns is durable. A wait=true request that this
+ * process can run itself is stored with its first attempt started, and run here (local attempt).
  */
 export async function submit(
   deps: RequestDeps,
@@ -55,17 +60,26 @@ export async function submit(
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
   let watch = submission.wait ? deps.waiters.watch(id) : undefined;
+  let lease = submission.wait ? deps.local?.reserve() : undefined;
   try {
-    let { answer, replayed } = await store(deps, auth, submission, id, nonceOf(auth, options.signature));
+    const stored = await store(deps, auth, submission, id, nonceOf(auth, options.signature), lease);
+    let { answer } = stored;
+    const deadline = Date.now() + deps.config.waitTimeoutMs;
+    if (lease && stored.leaseJobId !== undefined) {
+      const running = deps.local!.run({ id, mode: auth.mode, body: submission.body, leaseJobId: stored.leaseJobId });
+      lease = undefined; // the attempt holds it now
+      answer = await waitForLocal(deps, running, answer, deadline, options.signal);
+    }
     if (watch && answer.id !== id) {
       // An idempotent replay: watch the existing request instead, then read it again.
       watch.close();
       watch = deps.waiters.watch(answer.id);
       answer = (await deps.reads.submit(answer.id)) ?? answer;
     }
-    if (watch) answer = await waitForTerminal(deps, watch, answer, options.signal);
-    return outcomeOf(answer, replayed, submission.wait);
+    if (watch) answer = await waitForTerminal(deps, watch, answer, deadline, options.signal);
+    return outcomeOf(answer, stored.replayed, submission.wait);
   } finally {
+    if (lease) deps.local!.release();
     watch?.close();
   }
 }
@@ -76,7 +90,8 @@ async function store(
   submission: Submission,
   id: string,
   nonce: Nonce | undefined,
-): Promise<{ answer: RequestAnswer; replayed: boolean }> {
+  lease: Lease | undefined,
+): Promise<{ answer: RequestAnswer; replayed: boolean; leaseJobId?: string | undefined }> {
   const request = {
     id,
     project_id: auth.projectId,
@@ -90,11 +105,11 @@ async function store(
   // Twice at most: the request holding the idempotency key may be deleted (retention) between
   // the insert that found it and the read that looks for it.
   for (let tries = 1; ; tries++) {
-    const inserted = await deps.inserts.insert(request, tries === 1 ? nonce : undefined);
+    const inserted = await deps.inserts.insert(request, tries === 1 ? nonce : undefined, lease);
     if (inserted.kind === 'replayed_nonce') throw replayedRequest();
     if (inserted.kind === 'inserted') {
       deps.metrics.accepted.inc({ mode: auth.mode });
-      return { answer: inserted.answer, replayed: false };
+      return { answer: inserted.answer, replayed: false, leaseJobId: inserted.leaseJobId };
     }
 
     // The key is taken: by the time the insert gave way, the request holding it was committed.
@@ -119,13 +134,46 @@ function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | 
   };
 }
 
+/**
+ * Waits for a local attempt's outcome until the deadline, the client's hang-up or shutdown.
+ * Its outcome is the request's new state, committed: no need to read the row again. An attempt
+ * that ended in a retry (or was taken over) leaves the rest of the wait to waitForTerminal.
+ */
+async function waitForLocal(
+  deps: RequestDeps,
+  running: Promise<Recorded>,
+  answer: RequestAnswer,
+  deadline: number,
+  signal?: AbortSignal,
+): Promise<RequestAnswer> {
+  let timer: NodeJS.Timeout | undefined;
+  let giveUp = () => {};
+  const gaveUp = new Promise<undefined>((resolve) => {
+    giveUp = () => resolve(undefined);
+    timer = setTimeout(giveUp, Math.max(0, deadline - Date.now()));
+    signal?.addEventListener('abort', giveUp, { once: true });
+    deps.waiters.closing.addEventListener('abort', giveUp, { once: true });
+    if (signal?.aborted || deps.waiters.closing.aborted) giveUp();
+  });
+  try {
+    const recorded = await Promise.race([running, gaveUp]);
+    if (recorded?.status === 'completed') return { ...answer, status: 'completed', result: recorded.result };
+    if (recorded?.status === 'failed') return { ...answer, status: 'failed' };
+    return recorded?.status === 'retrying' ? { ...answer, status: 'retrying' } : answer;
+  } finally {
+    clearTimeout(timer);
+    signal?.removeEventListener('abort', giveUp);
+    deps.waiters.closing.removeEventListener('abort', giveUp);
+  }
+}
+
 async function waitForTerminal(
   deps: RequestDeps,
   watch: Watch,
   answer: RequestAnswer,
+  deadline: number,
   signal?: AbortSignal,
 ): Promise<RequestAnswer> {
-  const deadline = Date.now() + deps.config.waitTimeoutMs;
   let current = answer;
   while (!isTerminal(current.status)) {
     const remaining = deadline - Date.now();

@@ -5,6 +5,7 @@
 // own completions directly. The database stays the truth: a wake-up only tells a waiter to read
 // its row again. While the LISTEN connection is down, waiters re-read their rows on a short
 // interval instead, and every waiter re-reads once it is back, so no completion is missed.
+import { setMaxListeners } from 'node:events';
 import type { Listener } from '../db/listener.ts';
 
 export const FINISHED_CHANNEL = 'gateway_requests_finished';
@@ -28,16 +29,24 @@ interface Subscriber {
 export class Waiters {
   readonly #subscribers = new Map<string, Set<Subscriber>>();
   readonly #listener: Listener;
+  readonly #closing = new AbortController();
   #closed = false;
 
   constructor(listener: Listener) {
     this.#listener = listener;
+    // Every local wait listens to it: as many listeners as waiting requests.
+    setMaxListeners(0, this.#closing.signal);
     listener.subscribe(FINISHED_CHANNEL, {
       notification: (payload) => this.wake(payload.split(',')),
       // Waiters switch to polling, and read their rows again once notifications are back.
       lost: () => this.#wakeAll(),
       restored: () => this.#wakeAll(),
     });
+  }
+
+  /** Aborted when close() answers every waiter (for waits that do not go through watch()). */
+  get closing(): AbortSignal {
+    return this.#closing.signal;
   }
 
   /** Number of wait=true requests currently held open in this process. */
@@ -104,6 +113,7 @@ export class Waiters {
   /** Answers every waiter: they fall back to the acknowledgement. */
   close(): void {
     this.#closed = true;
+    this.#closing.abort();
     for (const set of this.#subscribers.values()) for (const subscriber of set) subscriber.wake('closed');
   }
 

@@ -10,7 +10,7 @@ import { PROCESS_REQUEST } from '../requests/jobs.ts';
 import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
 import { graphileLogger } from './graphile-logger.ts';
 import { RETENTION, retentionTask } from './retention.ts';
-import { processRequestTask, type ProcessRequestDeps } from './process-request.ts';
+import { processRequestTask, type Attempts } from './process-request.ts';
 
 export interface WorkerDeps {
   config: Config;
@@ -18,7 +18,8 @@ export interface WorkerDeps {
   db: Db;
   metrics: Metrics;
   logger: Logger;
-  onFinished?: ProcessRequestDeps['onFinished'];
+  /** Runs the attempts that process_request jobs name (createAttempts). */
+  attempts: Attempts;
 }
 
 /** graphile-worker's options for our task list (supervisor.ts runs and restarts it). */
@@ -44,13 +45,7 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
     logger: graphileLogger(deps.logger),
     crontab: [`*/5 * * * * ${CLEANUP_NONCES}`, `*/10 * * * * ${RETENTION}`].join('\n'),
     taskList: {
-      [PROCESS_REQUEST]: processRequestTask({
-        db: deps.db,
-        config: deps.config,
-        metrics: deps.metrics,
-        logger: deps.logger,
-        ...(deps.onFinished ? { onFinished: deps.onFinished } : {}),
-      }),
+      [PROCESS_REQUEST]: processRequestTask(deps.attempts, deps.logger),
       [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
       [RETENTION]: retentionTask({ db: deps.db, config: deps.config, logger: deps.logger }),
     },
