@@ -6,6 +6,8 @@
 // - sweeps: a pool not heard from for WORKER_DEAD_AFTER_MS is presumed dead, and its jobs are
 //   released with graphile_worker.force_unlock_workers, so they run again on a live worker
 //   (where the lost attempt is recorded as worker_lost) instead of after graphile-worker's 4 h.
+//   A process never sweeps its own current pool (after an outage its heartbeat is stale too).
+//   The lease jobs of local attempts need no sweep: they come due by themselves.
 import { EventEmitter } from 'node:events';
 import { hostname } from 'node:os';
 import { sql } from 'kysely';
@@ -86,7 +88,9 @@ export async function startWorkerService(deps: WorkerDeps): Promise<WorkerServic
     if (current) beat(deps.db, current.poolId).catch((error) => log.debug({ err: errorSummary(error) }, 'heartbeat failed'));
   }, beatMs);
   const sweeper = setInterval(() => {
-    sweep(deps.db, deadAfterMs).then(
+    // Never our own live pool: its heartbeat may be stale only because the database was out of
+    // reach, while its attempts are still running here.
+    sweep(deps.db, deadAfterMs, current?.poolId).then(
       (released) => {
         if (released.length > 0) log.warn({ pools: released }, 'released the jobs of dead worker pools');
       },
@@ -136,20 +140,22 @@ async function beat(db: Db, poolId: string): Promise<void> {
 
 /**
  * Releases the jobs of pools presumed dead: those whose heartbeat is older than deadAfterMs,
- * and any pool holding jobs for that long without ever having had a heartbeat row.
- * Returns the pool ids released.
+ * and any pool holding jobs for that long without ever having had a heartbeat row; never
+ * `livePoolId`, the caller's own. Returns the pool ids released.
  */
-export async function sweep(db: Db, deadAfterMs: number): Promise<string[]> {
+export async function sweep(db: Db, deadAfterMs: number, livePoolId?: string): Promise<string[]> {
+  const live = livePoolId ?? '';
   const { rows } = await sql<{ ids: string[] }>`
     with dead as (
       delete from gateway.worker_pools
-      where last_seen_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
+      where last_seen_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond' and id <> ${live}
       returning id
     ), orphans as (
       select distinct locked_by as id from graphile_worker.jobs
       where locked_by is not null
         and locked_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
         and locked_by not in (select id from gateway.worker_pools)
+        and locked_by <> ${live}
     ), released as (
       select array(select id from dead union select id from orphans) as ids
     )
