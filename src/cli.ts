@@ -1,5 +1,6 @@
 #!/usr/bin/env node
 // gateway: the command line (CONTRACT.md section 7). From a checkout: npm run gateway -- <command>.
+import './heap.ts'; // first: V8 settings that must precede any allocation
 import { parseArgs } from 'node:util';
 import * as v from 'valibot';
 import { createKeyCommand, listKeysCommand, revokeKeyCommand } from './cli/keys.ts';
