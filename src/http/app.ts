@@ -2,6 +2,7 @@
 // main.ts wire it the same way. Per route, the steps are:
 //   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
 // createOpsApp(deps): what a worker-only process serves: health and metrics.
+import type { ServerResponse } from 'node:http';
 import Router from '@koa/router';
 import Koa from 'koa';
 import type pg from 'pg';
@@ -12,14 +13,15 @@ import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { Batcher } from '../db/batcher.ts';
+import { errorSummary } from '../db/pool.ts';
 import { InsertBatcher } from '../requests/insert-batcher.ts';
 import { findRequests } from '../requests/repository.ts';
 import type { Waiters } from '../requests/waiters.ts';
 import type { LocalAttempts } from '../worker/local-attempts.ts';
 import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
-import type { GatewayContext, GatewayState, Step } from './context.ts';
-import { renderError } from './errors.ts';
+import type { GatewayContext, GatewayState, Reply, Step } from './context.ts';
+import { errorReply, renderError } from './errors.ts';
 import { verifyRequestSignature } from './signature.ts';
 import { createCompletion } from './routes/completions.ts';
 import { healthz, metricsRoute, readyz } from './routes/ops.ts';
@@ -99,21 +101,73 @@ function route<T extends Koa.Middleware<GatewayState, any>>(steps: Step[], handl
  * a 404 route_not_found), then one log line and the HTTP metrics: method, route pattern,
  * status and duration; no headers, no bodies, no ids.
  */
-function answer(logger: Logger, metrics: Metrics): Koa.Middleware {
+function answer(logger: Logger, metrics: Metrics): Koa.Middleware<GatewayState> {
   const log = logger.child({ component: 'http' });
+  const record = (method: string, route: string, status: number, started: number) => {
+    const seconds = (performance.now() - started) / 1000;
+    metrics.httpRequests.inc({ method, route, status: String(status) });
+    metrics.httpDuration.observe({ method, route }, seconds);
+    log.info({ method, route, status, ms: Math.round(seconds * 10_000) / 10 });
+  };
   return async (ctx, next) => {
     const started = performance.now();
     try {
       await next();
+      if (ctx.state.later) return answerLater(ctx, ctx.state.later, started, logger, record);
       if (ctx.status === 404 && ctx.body == null) throw routeNotFound();
     } catch (caught) {
       renderError(ctx, caught, logger);
-    } finally {
-      const seconds = (performance.now() - started) / 1000;
-      const route = (ctx as { _matchedRoute?: string })._matchedRoute ?? 'unmatched';
-      metrics.httpRequests.inc({ method: ctx.method, route, status: String(ctx.status) });
-      metrics.httpDuration.observe({ method: ctx.method, route }, seconds);
-      log.info({ method: ctx.method, route, status: ctx.status, ms: Math.round(seconds * 10_000) / 10 });
+    }
+    record(ctx.method, matchedRoute(ctx), ctx.status, started);
+  };
+}
+
+const matchedRoute = (ctx: GatewayContext) => (ctx as { _matchedRoute?: string })._matchedRoute ?? 'unmatched';
+
+/**
+ * A handler that answers later (a wait=true request still waiting) ends the middleware chain
+ * at once: Koa sends nothing (ctx.respond = false) and lets go of the context, and the answer is
+ * written here when `later` settles. Until then the request holds its connection, the wait,
+ * and the few values below: not the context, the request's body or the chain's frames.
+ */
+function answerLater(
+  ctx: GatewayContext,
+  later: Promise<Reply>,
+  started: number,
+  logger: Logger,
+  record: (method: string, route: string, status: number, started: number) => void,
+): void {
+  const { method, path, res } = ctx;
+  const route = matchedRoute(ctx);
+  ctx.respond = false;
+  // Koa watches every response with on-finished until it ends, and that holds on to the
+  // context. 'end' (never emitted by a ServerResponse) makes on-finished let go now, and calls
+  // Koa's ctx.onerror(null), which does nothing.
+  res.emit('end');
+  const finish = (reply: Reply | undefined, caught?: unknown) => {
+    try {
+      reply ??= errorReply(caught, logger, method, path);
+      send(res, reply);
+      record(method, route, reply.status, started);
+    } catch (error) {
+      logger.error({ method, path, err: errorSummary(error) }, 'could not send an answer');
     }
   };
+  later.then(finish, (caught: unknown) => finish(undefined, caught));
+}
+
+/** What Koa's respond() does for a JSON body, on a response Koa has left to us. */
+function send(res: ServerResponse, reply: Reply): void {
+  // As Koa's ctx.writable: a client that hung up gets nothing.
+  if (res.destroyed || res.writableEnded || (res.socket && !res.socket.writable)) {
+    res.end();
+    return;
+  }
+  const body = typeof reply.body === 'string' ? reply.body : JSON.stringify(reply.body);
+  res.statusCode = reply.status;
+  res.setHeader('Content-Type', 'application/json; charset=utf-8');
+  if (reply.replayed) res.setHeader('Idempotent-Replayed', 'true');
+  for (const [name, value] of Object.entries(reply.headers ?? {})) res.setHeader(name, value);
+  res.setHeader('Content-Length', Buffer.byteLength(body));
+  res.end(body);
 }

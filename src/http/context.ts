@@ -10,6 +10,21 @@ export interface GatewayState {
   body?: Buffer;
   /** Set by verifyRequestSignature() when the request was signed. */
   signature?: VerifiedSignature;
+  /**
+   * Set by a handler whose answer comes later (a wait=true request still waiting). The
+   * middleware chain then ends at once and the answer is sent when this settles (app.ts), so
+   * that a request held open keeps none of the chain's frames, nor this context.
+   */
+  later?: Promise<Reply>;
+}
+
+/** An answer sent outside Koa: a JSON body (text as it is, or a value to serialize). */
+export interface Reply {
+  status: number;
+  body: string | object;
+  /** Sets Idempotent-Replayed: true. */
+  replayed?: boolean;
+  headers?: Record<string, string>;
 }
 
 export type GatewayContext = ParameterizedContext<GatewayState>;

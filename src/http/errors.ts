@@ -4,12 +4,23 @@ import type { ParameterizedContext } from 'koa';
 import { isDatabaseUnavailable, errorSummary } from '../db/pool.ts';
 import { ApiError, internalError, serviceUnavailable } from '../errors.ts';
 import type { Logger } from '../logger.ts';
+import type { Reply } from './context.ts';
 
 export function renderError(ctx: ParameterizedContext, caught: unknown, logger: Logger): void {
   const error = toApiError(caught, logger, ctx.method, ctx.path);
   ctx.status = error.status;
   ctx.body = error.toBody();
   if (error.retryAfter !== undefined) ctx.set('retry-after', String(error.retryAfter));
+}
+
+/** The same, as a Reply (an answer sent outside Koa). */
+export function errorReply(caught: unknown, logger: Logger, method: string, path: string): Reply {
+  const error = toApiError(caught, logger, method, path);
+  return {
+    status: error.status,
+    body: error.toBody(),
+    ...(error.retryAfter !== undefined ? { headers: { 'retry-after': String(error.retryAfter) } } : {}),
+  };
 }
 
 function toApiError(error: unknown, logger: Logger, method: string, path: string): ApiError {

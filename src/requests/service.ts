@@ -35,28 +35,37 @@ export interface RequestDeps {
 export interface SubmitOptions {
   /** The verified signature of the request, whose nonce is recorded with it. */
   signature?: VerifiedSignature | undefined;
-  /** Aborts a wait=true wait (the client hung up); the request itself is unaffected. */
-  signal?: AbortSignal;
 }
 
 export type SubmitOutcome =
   | { kind: 'completed'; id: string; replayed: boolean; result: string }
   | { kind: 'acknowledged'; id: string; replayed: boolean; status: RequestStatus; created: Date };
 
+/** A wait=true request stored and waiting: `outcome` settles when it finishes or the wait is over. */
+export interface Waiting {
+  kind: 'waiting';
+  outcome: Promise<SubmitOutcome>;
+  /** Ends the wait now (the client hung up); the request itself is unaffected. */
+  abort(): void;
+}
+
 const isTerminal = (status: RequestStatus) => TERMINAL_STATUSES.includes(status);
 
 /**
- * Stores the request with its job (or finds the one its idempotency key names) and, for
- * wait=true, holds on until it finishes or the wait timeout passes. Resolves only after the
- * request is committed, so every id it returns is durable. A wait=true request that this
- * process can run itself is stored with its first attempt started, and run here (local attempt).
+ * Stores the request with its job (or finds the one its idempotency key names). Resolves only
+ * after the request is committed, so every id it returns is durable. For wait=true, unless the
+ * request has finished already, it resolves then with the wait under way (Waiting), which holds
+ * on until the request finishes or the wait timeout passes. Thousands of requests may wait at
+ * once: the wait keeps only what it needs, not the submission nor the caller's frames. A
+ * wait=true request that this process can run itself is stored with its first attempt started,
+ * and run here (local attempt).
  */
 export async function submit(
   deps: RequestDeps,
   auth: Auth,
   submission: Submission,
   options: SubmitOptions = {},
-): Promise<SubmitOutcome> {
+): Promise<SubmitOutcome | Waiting> {
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
   let watch = submission.wait ? deps.waiters.watch(id) : undefined;
@@ -65,19 +74,21 @@ export async function submit(
     const stored = await store(deps, auth, submission, id, nonceOf(auth, options.signature), lease);
     let { answer } = stored;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
+    let running: Promise<Recorded> | undefined;
     if (lease && stored.leaseJobId !== undefined) {
-      const running = deps.local!.run({ id, mode: auth.mode, body: submission.body, leaseJobId: stored.leaseJobId });
+      running = deps.local!.run({ id, mode: auth.mode, body: submission.body, leaseJobId: stored.leaseJobId });
       lease = undefined; // the attempt holds it now
-      answer = await waitForLocal(deps, running, answer, deadline, options.signal);
     }
-    if (watch && answer.id !== id) {
+    if (watch && !running && answer.id !== id) {
       // An idempotent replay: watch the existing request instead, then read it again.
       watch.close();
       watch = deps.waiters.watch(answer.id);
       answer = (await deps.reads.submit(answer.id)) ?? answer;
     }
-    if (watch) answer = await waitForTerminal(deps, watch, answer, deadline, options.signal);
-    return outcomeOf(answer, stored.replayed, submission.wait);
+    if (!watch || (!running && isTerminal(answer.status))) return outcomeOf(answer, stored.replayed, submission.wait);
+    const waiting = startWaiting(deps, watch, running, answer, stored.replayed, deadline);
+    watch = undefined; // the wait closes it
+    return waiting;
   } finally {
     if (lease) deps.local!.release();
     watch?.close();
@@ -134,6 +145,50 @@ function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | 
   };
 }
 
+function startWaiting(
+  deps: RequestDeps,
+  watch: Watch,
+  running: Promise<Recorded> | undefined,
+  answer: RequestAnswer,
+  replayed: boolean,
+  deadline: number,
+): Waiting {
+  // Only a local attempt's wait needs a signal: the watch is told directly.
+  const hangUp = running ? new AbortController() : undefined;
+  const outcome = waitForOutcome(deps, watch, running, answerOf(answer), replayed, deadline, hangUp?.signal);
+  return {
+    kind: 'waiting',
+    outcome,
+    abort: () => {
+      hangUp?.abort();
+      watch.abort();
+    },
+  };
+}
+
+type Answer = Pick<RequestAnswer, 'id' | 'status' | 'created_at' | 'result'>;
+
+/** What a wait keeps of a row: only what its answer needs. */
+const answerOf = (row: Answer): Answer => ({ id: row.id, status: row.status, created_at: row.created_at, result: row.result });
+
+async function waitForOutcome(
+  deps: RequestDeps,
+  watch: Watch,
+  running: Promise<Recorded> | undefined,
+  answer: Answer,
+  replayed: boolean,
+  deadline: number,
+  signal: AbortSignal | undefined,
+): Promise<SubmitOutcome> {
+  try {
+    let current = answer;
+    if (running) current = await waitForLocal(deps, running, current, deadline, signal);
+    return outcomeOf(await waitForTerminal(deps, watch, current, deadline), replayed, true);
+  } finally {
+    watch.close();
+  }
+}
+
 /**
  * Waits for a local attempt's outcome until the deadline, the client's hang-up or shutdown.
  * Its outcome is the request's new state, committed: no need to read the row again. An attempt
@@ -142,10 +197,10 @@ function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | 
 async function waitForLocal(
   deps: RequestDeps,
   running: Promise<Recorded>,
-  answer: RequestAnswer,
+  answer: Answer,
   deadline: number,
   signal?: AbortSignal,
-): Promise<RequestAnswer> {
+): Promise<Answer> {
   let timer: NodeJS.Timeout | undefined;
   let giveUp = () => {};
   const gaveUp = new Promise<undefined>((resolve) => {
@@ -167,21 +222,16 @@ async function waitForLocal(
   }
 }
 
-async function waitForTerminal(
-  deps: RequestDeps,
-  watch: Watch,
-  answer: RequestAnswer,
-  deadline: number,
-  signal?: AbortSignal,
-): Promise<RequestAnswer> {
+async function waitForTerminal(deps: RequestDeps, watch: Watch, answer: Answer, deadline: number): Promise<Answer> {
   let current = answer;
   while (!isTerminal(current.status)) {
     const remaining = deadline - Date.now();
     if (remaining <= 0) break;
-    const event = await watch.next(remaining, signal);
+    const event = await watch.next(remaining);
     if (event === 'aborted') break;
     try {
-      current = (await deps.reads.submit(watch.id)) ?? current;
+      const row = await deps.reads.submit(watch.id);
+      if (row) current = answerOf(row);
     } catch (error) {
       // The request is committed and its id is ours to give: a database outage during the
       // wait must not turn that into an error. Keep polling; at worst answer what we know.
@@ -192,7 +242,7 @@ async function waitForTerminal(
   return current;
 }
 
-function outcomeOf(answer: RequestAnswer, replayed: boolean, wait: boolean): SubmitOutcome {
+function outcomeOf(answer: Answer, replayed: boolean, wait: boolean): SubmitOutcome {
   if (wait && answer.status === 'completed' && answer.result !== null) {
     return { kind: 'completed', id: answer.id, replayed, result: answer.result };
   }

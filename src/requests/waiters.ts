@@ -17,17 +17,16 @@ export type WatchEvent = 'changed' | 'timeout' | 'aborted' | 'closed';
 export interface Watch {
   readonly id: string;
   /** Resolves at the next wake-up of this id (or at once if one came since the last call). */
-  next(timeoutMs: number, signal?: AbortSignal): Promise<WatchEvent>;
+  next(timeoutMs: number): Promise<WatchEvent>;
+  /** The caller gave up (its client hung up): this wait, or the next, ends with 'aborted'. */
+  abort(): void;
   /** Stops watching; call it in a finally block. */
   close(): void;
 }
 
-interface Subscriber {
-  wake(event: WatchEvent): void;
-}
-
 export class Waiters {
-  readonly #subscribers = new Map<string, Set<Subscriber>>();
+  // One watch per id almost always; an array when idempotent replays wait on the same request.
+  readonly #subscribers = new Map<string, Subscription | Subscription[]>();
   readonly #listener: Listener;
   readonly #closing = new AbortController();
   #closed = false;
@@ -52,61 +51,34 @@ export class Waiters {
   /** Number of wait=true requests currently held open in this process. */
   get size(): number {
     let size = 0;
-    for (const set of this.#subscribers.values()) size += set.size;
+    for (const entry of this.#subscribers.values()) size += Array.isArray(entry) ? entry.length : 1;
     return size;
+  }
+
+  get closed(): boolean {
+    return this.#closed;
+  }
+
+  /** Without a LISTEN connection nobody will wake a waiter: it must come back soon to read its row. */
+  get polling(): boolean {
+    return !this.#listener.listening;
   }
 
   /** Subscribe before reading the row: a completion between the read and the wait is then not lost. */
   watch(id: string): Watch {
-    let pending = false;
-    let resolveNext: ((event: WatchEvent) => void) | undefined;
-    const subscriber: Subscriber = {
-      wake: (event) => {
-        if (resolveNext) resolveNext(event);
-        else if (event === 'changed') pending = true;
-      },
-    };
-    let set = this.#subscribers.get(id);
-    if (!set) this.#subscribers.set(id, (set = new Set()));
-    set.add(subscriber);
-
-    return {
-      id,
-      next: (timeoutMs, signal) => {
-        if (this.#closed) return Promise.resolve('closed');
-        if (signal?.aborted) return Promise.resolve('aborted');
-        if (pending) {
-          pending = false;
-          return Promise.resolve('changed');
-        }
-        // Without a LISTEN connection nobody will wake us: come back soon to read the row.
-        const polling = !this.#listener.listening && timeoutMs > POLL_WHILE_DISCONNECTED_MS;
-        const sleepMs = polling ? POLL_WHILE_DISCONNECTED_MS : timeoutMs;
-        return new Promise<WatchEvent>((resolve) => {
-          const finish = (event: WatchEvent) => {
-            clearTimeout(timer);
-            signal?.removeEventListener('abort', onAbort);
-            resolveNext = undefined;
-            resolve(event);
-          };
-          const onAbort = () => finish('aborted');
-          const timer = setTimeout(() => finish(polling ? 'changed' : 'timeout'), sleepMs);
-          signal?.addEventListener('abort', onAbort, { once: true });
-          resolveNext = finish;
-        });
-      },
-      close: () => {
-        set.delete(subscriber);
-        if (set.size === 0 && this.#subscribers.get(id) === set) this.#subscribers.delete(id);
-      },
-    };
+    const subscription = new Subscription(id, this);
+    const entry = this.#subscribers.get(id);
+    if (entry === undefined) this.#subscribers.set(id, subscription);
+    else if (Array.isArray(entry)) entry.push(subscription);
+    else this.#subscribers.set(id, [entry, subscription]);
+    return subscription;
   }
 
   /** Tells the waiters of these ids to read their rows again. */
   wake(ids: Iterable<string>): void {
     for (const id of ids) {
-      const set = this.#subscribers.get(id);
-      if (set) for (const subscriber of set) subscriber.wake('changed');
+      const entry = this.#subscribers.get(id);
+      if (entry !== undefined) wakeEntry(entry, 'changed');
     }
   }
 
@@ -114,10 +86,95 @@ export class Waiters {
   close(): void {
     this.#closed = true;
     this.#closing.abort();
-    for (const set of this.#subscribers.values()) for (const subscriber of set) subscriber.wake('closed');
+    for (const entry of this.#subscribers.values()) wakeEntry(entry, 'closed');
+  }
+
+  /** @internal Subscription.close() */
+  unsubscribe(subscription: Subscription): void {
+    const entry = this.#subscribers.get(subscription.id);
+    if (entry === subscription) this.#subscribers.delete(subscription.id);
+    else if (Array.isArray(entry)) {
+      const index = entry.indexOf(subscription);
+      if (index >= 0) entry.splice(index, 1);
+      if (entry.length === 1) this.#subscribers.set(subscription.id, entry[0]!);
+    }
   }
 
   #wakeAll(): void {
-    for (const set of this.#subscribers.values()) for (const subscriber of set) subscriber.wake('changed');
+    for (const entry of this.#subscribers.values()) wakeEntry(entry, 'changed');
   }
+}
+
+function wakeEntry(entry: Subscription | Subscription[], event: WatchEvent): void {
+  if (!Array.isArray(entry)) entry.wake(event);
+  else for (const subscription of entry) subscription.wake(event);
+}
+
+/**
+ * One waiter. Thousands may wait at once (each holding a connection), so a waiter is one
+ * object: no closures, and a timer that carries it as its argument.
+ */
+class Subscription implements Watch {
+  readonly id: string;
+  readonly #waiters: Waiters;
+  #pending = false;
+  #aborted = false;
+  #polling = false;
+  #resolve: ((event: WatchEvent) => void) | undefined = undefined;
+  #timer: NodeJS.Timeout | undefined = undefined;
+
+  constructor(id: string, waiters: Waiters) {
+    this.id = id;
+    this.#waiters = waiters;
+  }
+
+  next(timeoutMs: number): Promise<WatchEvent> {
+    if (this.#waiters.closed) return Promise.resolve('closed');
+    if (this.#aborted) return Promise.resolve('aborted');
+    if (this.#pending) {
+      this.#pending = false;
+      return Promise.resolve('changed');
+    }
+    this.#polling = this.#waiters.polling && timeoutMs > POLL_WHILE_DISCONNECTED_MS;
+    const sleepMs = this.#polling ? POLL_WHILE_DISCONNECTED_MS : timeoutMs;
+    return new Promise<WatchEvent>((resolve) => {
+      this.#resolve = resolve;
+      this.#timer = setTimeout(timedOut, sleepMs, this);
+    });
+  }
+
+  wake(event: WatchEvent): void {
+    if (this.#resolve) this.#finish(event);
+    else if (event === 'changed') this.#pending = true;
+  }
+
+  abort(): void {
+    this.#aborted = true;
+    if (this.#resolve) this.#finish('aborted');
+  }
+
+  close(): void {
+    if (this.#timer !== undefined) clearTimeout(this.#timer);
+    this.#timer = undefined;
+    this.#resolve = undefined;
+    this.#waiters.unsubscribe(this);
+  }
+
+  /** @internal the timer of next() */
+  timedOut(): void {
+    this.#timer = undefined;
+    if (this.#resolve) this.#finish(this.#polling ? 'changed' : 'timeout');
+  }
+
+  #finish(event: WatchEvent): void {
+    const resolve = this.#resolve!;
+    this.#resolve = undefined;
+    if (this.#timer !== undefined) clearTimeout(this.#timer);
+    this.#timer = undefined;
+    resolve(event);
+  }
+}
+
+function timedOut(subscription: Subscription): void {
+  subscription.timedOut();
 }

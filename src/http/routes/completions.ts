@@ -1,41 +1,41 @@
 // POST /v1/chat/completions (CONTRACT.md section 2).
-import type { ServerResponse } from 'node:http';
 import type { Middleware } from 'koa';
 import { parseSubmission } from '../../requests/schemas.ts';
-import { submit, type RequestDeps } from '../../requests/service.ts';
+import { submit, type RequestDeps, type SubmitOutcome } from '../../requests/service.ts';
 import { parseJson } from '../body.ts';
-import type { GatewayState } from '../context.ts';
+import type { GatewayState, Reply } from '../context.ts';
 
 export function createCompletion(deps: RequestDeps): Middleware<GatewayState> {
   return async (ctx) => {
     const submission = parseSubmission(parseJson(ctx.state.body!));
-    const outcome = await submit(deps, ctx.state.auth, submission, {
-      signature: ctx.state.signature,
-      ...(submission.wait ? { signal: hangUp(ctx.res) } : {}),
-    });
-
-    if (outcome.replayed) ctx.set('Idempotent-Replayed', 'true');
-    if (outcome.kind === 'completed') {
-      ctx.status = 200;
+    const submitted = await submit(deps, ctx.state.auth, submission, { signature: ctx.state.signature });
+    if (submitted.kind !== 'waiting') {
+      const reply = replyOf(submitted);
+      if (reply.replayed) ctx.set('Idempotent-Replayed', 'true');
+      ctx.status = reply.status;
       ctx.type = 'application/json';
-      ctx.body = outcome.result;
-    } else {
-      ctx.status = 202;
-      ctx.body = {
-        id: outcome.id,
-        object: 'chat.completion.async',
-        status: outcome.status,
-        created: Math.floor(outcome.created.getTime() / 1000),
-      };
+      ctx.body = reply.body;
+      return;
     }
+    // Still waiting: answered later, outside the middleware chain (app.ts). If the client hangs
+    // up first, the wait stops (the request runs on).
+    const response = ctx.res;
+    if (response.destroyed) submitted.abort();
+    else response.on('close', () => submitted.abort());
+    ctx.state.later = submitted.outcome.then(replyOf);
   };
 }
 
-/** Aborts if the client hangs up before it is answered: its wait stops (the request runs on). */
-function hangUp(response: ServerResponse): AbortSignal {
-  const controller = new AbortController();
-  response.once('close', () => {
-    if (!response.writableFinished) controller.abort();
-  });
-  return controller.signal;
+function replyOf(outcome: SubmitOutcome): Reply {
+  if (outcome.kind === 'completed') return { status: 200, body: outcome.result, replayed: outcome.replayed };
+  return {
+    status: 202,
+    body: {
+      id: outcome.id,
+      object: 'chat.completion.async',
+      status: outcome.status,
+      created: Math.floor(outcome.created.getTime() / 1000),
+    },
+    replayed: outcome.replayed,
+  };
 }
