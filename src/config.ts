@@ -68,7 +68,7 @@ const Environment = v.object({
   RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0),
 
   WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 100, 1, 10_000),
-  LOCAL_ATTEMPTS: integer('LOCAL_ATTEMPTS', 100, 0, 10_000),
+  LOCAL_ATTEMPTS: integer('LOCAL_ATTEMPTS', 250, 0, 10_000),
   WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10),
   RETENTION_DAYS: integer('RETENTION_DAYS', 30, 1, 36_500),
   BODY_RETENTION_HOURS: optionalInteger('BODY_RETENTION_HOURS', 1),
@@ -119,8 +119,8 @@ export interface Config {
 
   readonly workerConcurrency: number;
   /**
-   * wait=true requests that a process running both the API and a worker runs itself at once,
-   * without the queue's hops (worker/local-attempts.ts); 0: every request takes the queue.
+   * Requests that a process running both the API and a worker runs itself at once, without the
+   * queue's hops (worker/local-attempts.ts); beyond that, and with 0, requests take the queue.
    */
   readonly localAttempts: number;
   readonly workerPollIntervalMs: number;

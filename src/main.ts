@@ -75,7 +75,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
 
   try {
     // The worker's side first (it opens no connection yet): the API of the same process runs
-    // wait=true requests on it (local attempts).
+    // requests on it (local attempts).
     let workerDb: Db | undefined;
     let attempts: Attempts | undefined;
     if (role !== 'api') {

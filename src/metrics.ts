@@ -87,11 +87,11 @@ export class Metrics {
     });
   }
 
-  /** gateway_local_attempts: wait=true requests this process is running itself (LOCAL_ATTEMPTS). */
+  /** gateway_local_attempts: requests this process is running itself (LOCAL_ATTEMPTS). */
   watchLocalAttempts(local: { readonly size: number }): void {
     new client.Gauge({
       name: `${PREFIX}local_attempts`,
-      help: 'Attempts of wait=true requests run by the process that accepted them (at most LOCAL_ATTEMPTS).',
+      help: 'Attempts run by the process that accepted their requests (at most LOCAL_ATTEMPTS).',
       registers: [this.registry],
       collect() {
         this.set(local.size);

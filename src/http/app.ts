@@ -38,7 +38,7 @@ export interface AppDeps extends OpsDeps {
   db: Db;
   waiters: Waiters;
   keys: KeyCache;
-  /** Runs wait=true requests in this process (role all); undefined: all take the queue. */
+  /** Runs requests in this process (role all); undefined: all take the queue. */
   local?: LocalAttempts | undefined;
 }
 

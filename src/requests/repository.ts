@@ -44,8 +44,9 @@ export interface Nonce {
 }
 
 /**
- * A request that the accepting process runs itself (wait=true, a worker in the same process):
- * it is stored with its first attempt already started by `workerId`, and its job is a lease,
+ * A request that the accepting process runs itself (a worker in the same process): stored with
+ * its first attempt already started by `workerId` (wait=true) or queued for that process to
+ * claim next (wait=false), and its job is a lease,
  * due only `leaseMs` from now. If the process dies, the job comes due and a worker recovers
  * the attempt as worker_lost; while the attempt runs, the process pushes the job back
  * (worker/local-attempts.ts); its outcome removes the job.
@@ -53,6 +54,8 @@ export interface Nonce {
 export interface Lease {
   workerId: string;
   leaseMs: number;
+  /** true: stored processing, its first attempt started; false: stored queued, claimed next. */
+  started: boolean;
 }
 
 export type InsertResult =
@@ -67,7 +70,8 @@ export type InsertResult =
  * were signed, the requests whose nonce was new (or that had none), and one add_jobs call for
  * all their first jobs (graphile-worker's NOTIFY, taken once per commit, is what limits
  * one-request transactions). A nonce and its request are stored together or not at all.
- * An item with a lease is stored as processing, with its attempt row, and its job is the lease.
+ * An item with a lease has the lease as its job; if started, it is stored as processing, with
+ * its attempt row.
  * Returns one result per item, in order.
  */
 export async function insertRequests(
@@ -96,9 +100,10 @@ export async function insertRequests(
         ${column((i) => i.nonce?.nonce ?? null)}::text[],
         ${column((i) => i.nonce?.expires_at ?? null)}::timestamptz[],
         ${column((i) => i.lease?.workerId ?? null)}::text[],
-        ${column((i) => i.lease?.leaseMs ?? null)}::float8[]
+        ${column((i) => i.lease?.leaseMs ?? null)}::float8[],
+        ${column((i) => i.lease?.started ?? false)}::boolean[]
       ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
-                              nonce, nonce_expires_at, lease_worker_id, lease_ms, ord)
+                              nonce, nonce_expires_at, lease_worker_id, lease_ms, started, ord)
     ), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
       select api_key_id, nonce, nonce_expires_at from input where nonce is not null
@@ -112,8 +117,8 @@ export async function insertRequests(
       insert into gateway.requests
         (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, status, attempts)
       select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key,
-             case when lease_worker_id is null then 'queued' else 'processing' end,
-             case when lease_worker_id is null then 0 else 1 end
+             case when started then 'processing' else 'queued' end,
+             case when started then 1 else 0 end
       from accepted
       on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
       returning id, status, created_at
@@ -121,7 +126,7 @@ export async function insertRequests(
       insert into gateway.request_attempts (request_id, attempt_number, worker_id)
       select id, 1, accepted.lease_worker_id
       from inserted join accepted using (id)
-      where accepted.lease_worker_id is not null
+      where accepted.started
     ), jobs as (
       select jobs.id as job_id, jobs.payload->>'request_id' as request_id
       from graphile_worker.add_jobs(array(

@@ -28,7 +28,7 @@ export interface RequestDeps {
   waiters: Waiters;
   metrics: Metrics;
   config: Pick<Config, 'waitTimeoutMs'>;
-  /** Where this process also runs a worker: runs wait=true requests here, while it has room. */
+  /** Where this process also runs a worker: runs requests here, while it has room. */
   local?: LocalAttempts | undefined;
 }
 
@@ -57,8 +57,8 @@ const isTerminal = (status: RequestStatus) => TERMINAL_STATUSES.includes(status)
  * request has finished already, it resolves then with the wait under way (Waiting), which holds
  * on until the request finishes or the wait timeout passes. Thousands of requests may wait at
  * once: the wait keeps only what it needs, not the submission nor the caller's frames. A
- * wait=true request that this process can run itself is stored with its first attempt started,
- * and run here (local attempt).
+ * request that this process can run itself is run here (local attempt): a wait=true one is
+ * stored with its first attempt started, a wait=false one is claimed right after its commit.
  */
 export async function submit(
   deps: RequestDeps,
@@ -69,14 +69,20 @@ export async function submit(
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
   let watch = submission.wait ? deps.waiters.watch(id) : undefined;
-  let lease = submission.wait ? deps.local?.reserve() : undefined;
+  let lease = deps.local?.reserve(submission.wait);
   try {
     const stored = await store(deps, auth, submission, id, nonceOf(auth, options.signature), lease);
     let { answer } = stored;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
     let running: Promise<Recorded> | undefined;
     if (lease && stored.leaseJobId !== undefined) {
-      running = deps.local!.run({ id, mode: auth.mode, body: submission.body, leaseJobId: stored.leaseJobId });
+      running = deps.local!.run({
+        id,
+        mode: auth.mode,
+        body: submission.body,
+        leaseJobId: stored.leaseJobId,
+        started: lease.started,
+      });
       lease = undefined; // the attempt holds it now
     }
     if (watch && !running && answer.id !== id) {

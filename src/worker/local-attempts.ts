@@ -1,8 +1,11 @@
-// Local attempts: a wait=true request accepted by a process that also runs a worker is run by
-// that process at once, without the queue's hops (the job's fetch and lock, then the claim, then
-// the job's removal, each a commit of its own before the client hears anything).
-// - Its first attempt starts in the very statement that stores it: the request is stored as
-//   processing, with attempt 1 by this process (repository.insertRequests with a Lease).
+// Local attempts: a request accepted by a process that also runs a worker is run by that
+// process at once, without the queue's hops (graphile-worker's fetch and lock of the job, and its
+// removal, each a statement of its own).
+// - A wait=true request's first attempt starts in the very statement that stores it: it is
+//   stored as processing, with attempt 1 by this process (repository.insertRequests with a
+//   Lease), and answered from the committed outcome: two commits between request and answer.
+// - A wait=false request is stored queued, as its acknowledgement says, and claimed next by
+//   this process (the claim groups with the queue's).
 // - Its job is added in that statement too, as the queue's contract requires, but as a lease:
 //   due only WORKER_DEAD_AFTER_MS later. While the attempt runs, the lease is pushed back.
 // - Its outcome removes the lease job in the statement that records it; a retry goes through
@@ -11,7 +14,8 @@
 //   worker_lost and retries it, as it does for the jobs of a pool whose heartbeat stopped.
 // - Shutdown: running attempts get SHUTDOWN_GRACE_MS, then are aborted (recorded as
 //   worker_lost, and retried at once by the queue).
-// At most LOCAL_ATTEMPTS run at once; past that, requests take the queue.
+// At most LOCAL_ATTEMPTS run at once; past that, requests take the queue. Several processes
+// behind one load balancer each run what they accept; the queue still evens out the rest.
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import { errorSummary, type Db } from '../db/pool.ts';
@@ -39,6 +43,8 @@ export interface LocalRequest {
   /** JSON text of the upstream body, as stored. */
   body: string;
   leaseJobId: string;
+  /** Whether it was stored with its first attempt started (Lease.started); if not, it is claimed first. */
+  started: boolean;
 }
 
 export class LocalAttempts {
@@ -72,10 +78,10 @@ export class LocalAttempts {
    * A place for one more local attempt, as the lease to store the request with; undefined when
    * all are taken or the process is stopping. Hand it to run(), or give it back with release().
    */
-  reserve(): Lease | undefined {
+  reserve(started: boolean): Lease | undefined {
     if (this.#stopping || this.#reserved >= this.#options.capacity) return undefined;
     this.#reserved++;
-    return { workerId: this.workerId, leaseMs: this.#options.leaseMs };
+    return { workerId: this.workerId, leaseMs: this.#options.leaseMs, started };
   }
 
   /** Gives back a reservation whose request was not stored with it. */
@@ -89,9 +95,7 @@ export class LocalAttempts {
    */
   run(request: LocalRequest): Promise<Recorded> {
     this.#leases.set(request.id, { jobId: request.leaseJobId, dueAt: Date.now() + this.#options.leaseMs });
-    const claimed = { id: request.id, mode: request.mode, body: request.body, attempt: 1 };
-    const running: Promise<Recorded> = this.#options.attempts
-      .run(claimed, this.#abort.signal, request.leaseJobId)
+    const running: Promise<Recorded> = this.#attempt(request)
       .catch((error: unknown) => {
         this.#log.error(
           { requestId: request.id, err: errorSummary(error) },
@@ -106,6 +110,16 @@ export class LocalAttempts {
       });
     this.#running.add(running);
     return running;
+  }
+
+  async #attempt(request: LocalRequest): Promise<Recorded> {
+    const { attempts } = this.#options;
+    const claimed = request.started
+      ? { id: request.id, mode: request.mode, body: request.body, attempt: 1 }
+      : await attempts.claim({ id: request.id, attempt: 1, workerId: this.workerId });
+    // Not claimable: its lease job came due and a worker took it.
+    if (!claimed) return { status: 'stale' };
+    return attempts.run(claimed, this.#abort.signal, request.leaseJobId);
   }
 
   /** Takes no more; lets running attempts finish for SHUTDOWN_GRACE_MS, then aborts the rest. */

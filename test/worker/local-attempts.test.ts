@@ -30,16 +30,32 @@ t.test('a wait=true request runs in the process that accepted it, and its lease 
   t.same(await jobsFor(gateway.db, id), [], 'no job left');
 });
 
-t.test('wait=false requests, and every request with LOCAL_ATTEMPTS=0, take the queue', async (t) => {
-  for (const [env, wait] of [[{}, false], [{ LOCAL_ATTEMPTS: '0' }, true]] as const) {
-    const gateway = await startTestGateway(t, { env });
+t.test('a wait=false request is acknowledged queued, then claimed and run by the process that accepted it', async (t) => {
+  const gateway = await startTestGateway(t);
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const answer = await client.post({ model: 'test-echo', messages: userMessage(), wait: false });
+  t.equal(answer.status, 202);
+  t.equal(answer.body.status, 'queued', 'as the contract says: its attempt had not started at the commit');
+  const id = answer.body.id;
+  t.match(await waitForRow(gateway.db, id, isTerminal), { status: 'completed', attempts: 1 });
+  t.match(await attemptRows(gateway.db, id), [{ attempt_number: 1, outcome: 'succeeded', worker_id: LOCAL }]);
+  t.same(await jobsFor(gateway.db, id), [], 'its lease job removed with the outcome');
+});
+
+t.test('with LOCAL_ATTEMPTS=0, and in an API process without a worker, every request takes the queue', async (t) => {
+  for (const wait of [false, true]) {
+    const gateway = await startTestGateway(t, { env: { LOCAL_ATTEMPTS: '0' } });
     const client = clientFor(gateway.url, await gateway.createKey());
     const answer = await client.post({ model: 'test-echo', messages: userMessage(), wait });
     const id = answer.status === 202 ? answer.body.id : (await gateway.pool.query('select id from gateway.requests')).rows[0].id;
     await waitForRow(gateway.db, id, isTerminal);
     const [attempt] = await attemptRows(gateway.db, id);
-    t.notMatch(attempt!.worker_id, LOCAL, `${JSON.stringify(env)}, wait=${wait}: run by the queue's worker`);
+    t.notMatch(attempt!.worker_id, LOCAL, `wait=${wait}: run by the queue's worker`);
   }
+  const api = await startTestGateway(t, { role: 'api' });
+  const answer = await clientFor(api.url, await api.createKey()).post({ model: 'test-echo', messages: userMessage() });
+  t.match(await jobsFor(api.db, answer.body.id), [{ attempt: 1 }], 'role api: a job due now');
+  t.ok((await jobsFor(api.db, answer.body.id))[0]!.run_at <= new Date(), 'not a lease');
 });
 
 t.test('a local attempt that fails is retried through the queue', async (t) => {
@@ -101,7 +117,7 @@ t.test('when the process that stored a local attempt is gone, its lease job reco
       idempotency_key: null,
     },
     nonce: undefined,
-    lease: { workerId: 'local-gone', leaseMs: 300 },
+    lease: { workerId: 'local-gone', leaseMs: 300, started: true },
   }]);
   t.match(inserted, { kind: 'inserted', answer: { id, status: 'processing' }, leaseJobId: /^\d+$/ });
   t.match(await requestRow(api.db, id), { status: 'processing', attempts: 1 });
@@ -114,6 +130,34 @@ t.test('when the process that stored a local attempt is gone, its lease job reco
     { attempt_number: 1, outcome: 'failed', error_code: 'worker_lost', worker_id: 'local-gone' },
     { attempt_number: 2, outcome: 'succeeded' },
   ]);
+  await waitForNoJobs(api.db, id);
+});
+
+t.test('a queued request whose accepting process is gone before claiming it runs from its lease job', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const key = await api.createKey();
+  const { rows } = await api.pool.query<{ project_id: string }>('select project_id from gateway.api_keys where id = $1', [key.id]);
+  const body = JSON.stringify({ model: 'test-echo', messages: userMessage('later') });
+  const id = newRequestId();
+  const [inserted] = await repository.insertRequests(api.db, [{
+    request: {
+      id,
+      project_id: rows[0]!.project_id,
+      mode: 'test',
+      api_key_id: key.id,
+      model: 'test-echo',
+      body,
+      body_sha256: createHash('sha256').update(body).digest(),
+      idempotency_key: null,
+    },
+    nonce: undefined,
+    lease: { workerId: 'local-gone', leaseMs: 300, started: false },
+  }]);
+  t.match(inserted, { kind: 'inserted', answer: { id, status: 'queued' }, leaseJobId: /^\d+$/ });
+  t.same(await attemptRows(api.db, id), [], 'no attempt started');
+
+  await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
+  t.match(await waitForRow(api.db, id, isTerminal), { status: 'completed', attempts: 1, last_error_code: null });
   await waitForNoJobs(api.db, id);
 });
 

@@ -47,7 +47,8 @@ t.test('the sweep releases the jobs of pools presumed dead, and only theirs', as
 });
 
 t.test('a worker pool that stops on its own is replaced, and its request completes', async (t) => {
-  const gateway = await startTestGateway(t, { env: { WORKER_DEAD_AFTER_MS: '2000' } });
+  // The request must go through the queue's pool (not a local attempt) for its job's end to fail.
+  const gateway = await startTestGateway(t, { env: { WORKER_DEAD_AFTER_MS: '2000', LOCAL_ATTEMPTS: '0' } });
   const client = clientFor(gateway.url, await gateway.createKey());
   // graphile-worker stops a pool that cannot record a job's end (as when Postgres is down).
   // Make recording the end of the first job fail, once.
