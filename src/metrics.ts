@@ -77,24 +77,22 @@ export class Metrics {
 
   /** gateway_waiters: wait=true requests held open in this process. */
   watchWaiters(waiters: Waiters): void {
-    new client.Gauge({
-      name: `${PREFIX}waiters`,
-      help: 'wait=true requests currently held open by this process.',
-      registers: [this.registry],
-      collect() {
-        this.set(waiters.size);
-      },
-    });
+    this.#sizeGauge('waiters', 'wait=true requests currently held open by this process.', waiters);
   }
 
   /** gateway_local_attempts: requests this process is running itself (LOCAL_ATTEMPTS). */
   watchLocalAttempts(local: { readonly size: number }): void {
+    this.#sizeGauge('local_attempts', 'Attempts run by the process that accepted their requests (at most LOCAL_ATTEMPTS).', local);
+  }
+
+  /** A gauge read from `source.size` at each scrape. */
+  #sizeGauge(name: string, help: string, source: { readonly size: number }): void {
     new client.Gauge({
-      name: `${PREFIX}local_attempts`,
-      help: 'Attempts run by the process that accepted their requests (at most LOCAL_ATTEMPTS).',
+      name: `${PREFIX}${name}`,
+      help,
       registers: [this.registry],
       collect() {
-        this.set(local.size);
+        this.set(source.size);
       },
     });
   }

@@ -7,13 +7,13 @@ import type { Logger } from '../logger.ts';
 import type { Reply } from './context.ts';
 
 export function renderError(ctx: ParameterizedContext, caught: unknown, logger: Logger): void {
-  const error = toApiError(caught, logger, ctx.method, ctx.path);
-  ctx.status = error.status;
-  ctx.body = error.toBody();
-  if (error.retryAfter !== undefined) ctx.set('retry-after', String(error.retryAfter));
+  const reply = errorReply(caught, logger, ctx.method, ctx.path);
+  ctx.status = reply.status;
+  ctx.body = reply.body;
+  if (reply.headers) ctx.set(reply.headers);
 }
 
-/** The same, as a Reply (an answer sent outside Koa). */
+/** The error as a Reply: what renderError sets, and what an answer sent outside Koa sends. */
 export function errorReply(caught: unknown, logger: Logger, method: string, path: string): Reply {
   const error = toApiError(caught, logger, method, path);
   return {

@@ -136,14 +136,12 @@ export async function insertRequests(
         from inserted join accepted using (id)
       )) as jobs
       where exists (select from inserted)
-    ), queued as (
-      select count(*) as jobs from jobs
     )
+    -- Every inserted row is joined to its job, so add_jobs runs (once, for all) whenever one is.
     select input.ord, accepted.id is not null as nonce_accepted,
            inserted.id, inserted.status, inserted.created_at,
            case when input.lease_worker_id is not null then jobs.job_id end as lease_job_id
     from input
-    cross join queued
     left join accepted on accepted.ord = input.ord
     left join inserted on inserted.id = input.id
     left join jobs on jobs.request_id = inserted.id

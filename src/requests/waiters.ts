@@ -29,7 +29,6 @@ export class Waiters {
   readonly #subscribers = new Map<string, Subscription | Subscription[]>();
   readonly #listener: Listener;
   readonly #closing = new AbortController();
-  #closed = false;
 
   constructor(listener: Listener) {
     this.#listener = listener;
@@ -56,7 +55,7 @@ export class Waiters {
   }
 
   get closed(): boolean {
-    return this.#closed;
+    return this.#closing.signal.aborted;
   }
 
   /** Without a LISTEN connection nobody will wake a waiter: it must come back soon to read its row. */
@@ -84,7 +83,6 @@ export class Waiters {
 
   /** Answers every waiter: they fall back to the acknowledgement. */
   close(): void {
-    this.#closed = true;
     this.#closing.abort();
     for (const entry of this.#subscribers.values()) wakeEntry(entry, 'closed');
   }

@@ -2,7 +2,7 @@
 // runs wait=true requests itself, their first attempt started as they are stored, under a
 // lease job that recovers them if the process goes away.
 import { createHash } from 'node:crypto';
-import t from 'tap';
+import t, { type Test } from 'tap';
 import { newRequestId } from '../../src/ids.ts';
 import * as repository from '../../src/requests/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
@@ -97,13 +97,16 @@ t.test('a local attempt that outlasts WORKER_DEAD_AFTER_MS keeps its lease', asy
   t.same(await jobsFor(gateway.db, id), []);
 });
 
-t.test('when the process that stored a local attempt is gone, its lease job recovers it', async (t) => {
-  // What a process leaves behind when it dies right after the commit: the request, its started
-  // attempt, and its lease job; nothing will ever record that attempt's outcome.
+/**
+ * What a process that accepted a request leaves behind when it dies right after the commit,
+ * stored as insertRequests stores it with a lease of 300 ms (started: its attempt 1 under way),
+ * in the database of an API process without a worker. Nothing will ever run it locally.
+ */
+async function storeAbandoned(t: Test, started: boolean) {
   const api = await startTestGateway(t, { role: 'api' });
   const key = await api.createKey();
   const { rows } = await api.pool.query<{ project_id: string }>('select project_id from gateway.api_keys where id = $1', [key.id]);
-  const body = JSON.stringify({ model: 'test-echo', messages: userMessage('recovered') });
+  const body = JSON.stringify({ model: 'test-echo', messages: userMessage('abandoned') });
   const id = newRequestId();
   const [inserted] = await repository.insertRequests(api.db, [{
     request: {
@@ -117,8 +120,13 @@ t.test('when the process that stored a local attempt is gone, its lease job reco
       idempotency_key: null,
     },
     nonce: undefined,
-    lease: { workerId: 'local-gone', leaseMs: 300, started: true },
+    lease: { workerId: 'local-gone', leaseMs: 300, started },
   }]);
+  return { api, id, inserted };
+}
+
+t.test('when the process that stored a local attempt is gone, its lease job recovers it', async (t) => {
+  const { api, id, inserted } = await storeAbandoned(t, true);
   t.match(inserted, { kind: 'inserted', answer: { id, status: 'processing' }, leaseJobId: /^\d+$/ });
   t.match(await requestRow(api.db, id), { status: 'processing', attempts: 1 });
   t.match(await jobsFor(api.db, id), [{ attempt: 1 }], 'its job is the lease');
@@ -134,30 +142,14 @@ t.test('when the process that stored a local attempt is gone, its lease job reco
 });
 
 t.test('a queued request whose accepting process is gone before claiming it runs from its lease job', async (t) => {
-  const api = await startTestGateway(t, { role: 'api' });
-  const key = await api.createKey();
-  const { rows } = await api.pool.query<{ project_id: string }>('select project_id from gateway.api_keys where id = $1', [key.id]);
-  const body = JSON.stringify({ model: 'test-echo', messages: userMessage('later') });
-  const id = newRequestId();
-  const [inserted] = await repository.insertRequests(api.db, [{
-    request: {
-      id,
-      project_id: rows[0]!.project_id,
-      mode: 'test',
-      api_key_id: key.id,
-      model: 'test-echo',
-      body,
-      body_sha256: createHash('sha256').update(body).digest(),
-      idempotency_key: null,
-    },
-    nonce: undefined,
-    lease: { workerId: 'local-gone', leaseMs: 300, started: false },
-  }]);
+  const { api, id, inserted } = await storeAbandoned(t, false);
   t.match(inserted, { kind: 'inserted', answer: { id, status: 'queued' }, leaseJobId: /^\d+$/ });
   t.same(await attemptRows(api.db, id), [], 'no attempt started');
 
   await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
   t.match(await waitForRow(api.db, id, isTerminal), { status: 'completed', attempts: 1, last_error_code: null });
+  const [attempt] = await attemptRows(api.db, id);
+  t.notMatch(attempt!.worker_id, LOCAL, 'run by the worker that took the lease job');
   await waitForNoJobs(api.db, id);
 });
 
