@@ -41,7 +41,6 @@ export class PhaseContext {
   readonly name: string;
   readonly database: string;
   readonly databaseUrl: string;
-  readonly notes: string[] = [];
   readonly #gateways: GatewayProcess[] = [];
 
   constructor(run: RunContext, name: string) {

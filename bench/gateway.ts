@@ -9,7 +9,8 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { promisify } from 'node:util';
 import pg from 'pg';
 import { descendants } from './cpu.ts';
-import { BENCH_APPLICATION_NAME, freePort } from './postgres.ts';
+import { freePort } from '../test/helpers/ports.ts';
+import { BENCH_APPLICATION_NAME } from './postgres.ts';
 
 const ROOT = path.resolve(import.meta.dirname, '..');
 const CLI = path.join(ROOT, 'src', 'cli.ts');

@@ -62,10 +62,6 @@ export class HttpConnection {
     return this.#closed;
   }
 
-  get busy(): boolean {
-    return this.#pending !== undefined;
-  }
-
   /** Sends one complete request (head and body, prepared by the caller) and resolves with its response. */
   send(request: string): Promise<HttpResponse> {
     if (this.#closed) return Promise.reject(new HttpError('connection is closed'));

@@ -14,7 +14,6 @@ export const BENCH_APPLICATION_NAME = 'gateway-bench';
 export interface Server {
   /** Connection string of the server's maintenance database (where databases are created). */
   adminUrl: string;
-  embedded: boolean;
   /** The postmaster's pid, when the server runs on this machine (for CPU accounting). */
   postmasterPid: number | undefined;
   describe: ServerDescription;
@@ -70,7 +69,6 @@ export async function openServer(databaseUrl: string | undefined, dataDir: strin
 
   return {
     adminUrl: admin,
-    embedded: databaseUrl === undefined,
     postmasterPid,
     describe,
     urlFor,
@@ -146,4 +144,3 @@ function parentPid(pid: number): number | undefined {
   }
 }
 
-export { freePort };

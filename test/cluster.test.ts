@@ -52,6 +52,11 @@ t.test('two API processes and a worker, started by one gateway serve', async (t)
   t.same(new Set(answers.map((answer) => answer.status)), new Set([200]), 'all 20 completed through the cluster');
   const apiPids = pidsOf('gateway started').filter((pid) => pid !== child.pid);
   t.equal(new Set(apiPids).size, 2, 'two API processes started');
+  const servedBy = output
+    .split('\n')
+    .filter((line) => line.includes('"route":"/v1/chat/completions"'))
+    .map((line) => JSON.parse(line).pid as number);
+  t.same([...new Set(servedBy)].sort(), [...new Set(apiPids)].sort(), 'both served some of them');
 
   const metrics = (await send(url, { path: '/metrics' })).text;
   t.match(metrics, /gateway_requests_accepted_total\{mode="test"\} 20\n/, 'the scrape counts the requests of both processes');

@@ -59,6 +59,7 @@ t.test('each metric family counts what happened', async (t) => {
   t.equal(value('gateway_upstream_duration_seconds_count{mode="live",outcome="succeeded"}'), 1);
   t.equal(value('gateway_insert_group_size_sum'), 5, 'five requests written (the replay among them)');
   t.equal(value('gateway_waiters'), 0);
+  t.equal(m.get('gateway_local_attempts'), 0, 'local attempts: none left running');
   t.ok(m.has('gateway_db_pool_connections{pool="api",state="idle"}'));
   t.ok(m.has('gateway_db_pool_connections{pool="worker",state="in_use"}'));
   t.equal(value('gateway_requests{status="queued",mode="test"}'), 0, 'nothing left in the queue');

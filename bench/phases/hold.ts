@@ -137,7 +137,7 @@ export async function holdPhase(ctx: PhaseContext): Promise<PhaseResult> {
           figure: `${heldLabel} wait=true held: Postgres connections`,
           result: `${heldConnections.total}, of which ${listeningPerApi} LISTEN`,
           target: 'one LISTEN connection per process',
-          met: listeningPerApi <= 1,
+          met: listeningPerApi === 1,
         },
         {
           figure: `${heldLabel} wait=true held: answered correctly`,

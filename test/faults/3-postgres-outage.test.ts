@@ -153,6 +153,7 @@ t.test('Postgres stopped for 10 s under load, then started: only 503s while it i
   t.comment(`${waiters.length} wait=true requests were waiting when Postgres stopped: ${tally(waiters.map((sent) => sent.status || sent.failure || 'none'))}; answered ${spread(waiters.map((sent) => sent.answeredAt - stopAt))} after the stop`);
   t.ok(waiters.length > 0, 'wait=true requests were waiting when Postgres stopped');
   t.same(waiters.filter((sent) => sent.status === 0).map((sent) => sent.failure), [], 'every one was answered');
+  t.ok(storedBeforeStop.length > 0, 'some of them were stored well before the stop');
   t.same(
     storedBeforeStop.filter((sent) => sent.status !== 200 && sent.status !== 202).map((sent) => [sent.status, sent.body?.error?.code]),
     [],

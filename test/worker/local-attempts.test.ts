@@ -158,7 +158,8 @@ t.test('shutdown: a local attempt gets SHUTDOWN_GRACE_MS, then is handed to the 
   const client = clientFor(gateway.url, await gateway.createKey());
   const waiting = client.post({ model: 'test-delay-1500', messages: userMessage(), wait: true });
   let id: string | undefined;
-  while (!id) {
+  for (let i = 0; !id; i++) {
+    if (i > 250) throw new Error('the request was never stored');
     id = (await gateway.pool.query('select id from gateway.requests')).rows[0]?.id;
     await new Promise((resolve) => setTimeout(resolve, 20));
   }

@@ -14,7 +14,8 @@ import { createLogger } from '../../../src/logger.ts';
 import type { Role } from '../../../src/main.ts';
 import { createTestDatabase } from '../../helpers/database.ts';
 import { searchLogs } from './logs.ts';
-import { freePort, GatewayProcess } from './processes.ts';
+import { freePort } from '../../helpers/ports.ts';
+import { GatewayProcess } from './processes.ts';
 import { logFile, logFiles, markLogsClean, recordSecret, runDirectory, UPSTREAM_API_KEY } from './run.ts';
 
 interface Teardown {

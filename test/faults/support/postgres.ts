@@ -11,7 +11,7 @@ import { migrate } from '../../../src/db/migrate.ts';
 import { createPool } from '../../../src/db/pool.ts';
 import { randomBase62 } from '../../../src/ids.ts';
 import { createLogger } from '../../../src/logger.ts';
-import { freePort } from './processes.ts';
+import { freePort } from '../../helpers/ports.ts';
 import { logFile } from './run.ts';
 
 const ROOT = new URL('../../../', import.meta.url).pathname;

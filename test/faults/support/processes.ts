@@ -4,7 +4,6 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { appendFileSync } from 'node:fs';
 import type { Role } from '../../../src/main.ts';
-import { freePort } from '../../helpers/ports.ts';
 
 const CLI = new URL('../../../src/cli.ts', import.meta.url).pathname;
 const ROOT = new URL('../../../', import.meta.url).pathname;
@@ -157,8 +156,6 @@ export function parseLine(line: string): Record<string, unknown> | undefined {
     return undefined;
   }
 }
-
-export { freePort };
 
 export const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 
