@@ -100,6 +100,34 @@ export class PhaseContext {
     });
   }
 
+  /**
+   * A CPU meter over a load's measured window: give the load its onWindowStart/onWindowEnd,
+   * then await shares() (undefined if the window never ended).
+   */
+  cpuWindow(): { onWindowStart(): void; onWindowEnd(): void; shares(): Promise<CpuShares | undefined> } {
+    let meter: CpuMeter | undefined;
+    let shares: Promise<CpuShares> | undefined;
+    return {
+      onWindowStart: () => {
+        meter = this.cpuMeter();
+      },
+      onWindowEnd: () => {
+        shares = meter?.end();
+      },
+      shares: async () => shares,
+    };
+  }
+
+  /** Requests and graphile-worker jobs in the phase's database. */
+  async storedCounts(): Promise<{ requests: number; jobs: number }> {
+    return this.query(async (client) => {
+      const { rows } = await client.query<{ requests: string; jobs: string }>(
+        `select (select count(*) from gateway.requests) as requests, (select count(*) from graphile_worker.jobs) as jobs`,
+      );
+      return { requests: Number(rows[0]!.requests), jobs: Number(rows[0]!.jobs) };
+    });
+  }
+
   /** Stops every gateway process, drops the database, and returns lines for the report. */
   async close(): Promise<string[]> {
     const lines: string[] = [];

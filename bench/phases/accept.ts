@@ -2,7 +2,6 @@
 // worker, so that nothing else competes for the CPU and the figure is the accept path alone
 // (request row, nonce and job committed, then the 202), comparable with the pgbench ceiling.
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
-import type { CpuMeter, CpuShares } from '../cpu.ts';
 import { checks, closedLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
 import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine } from './common.ts';
@@ -15,8 +14,7 @@ export async function acceptPhase(ctx: PhaseContext): Promise<PhaseResult> {
   const signer = ctx.signer(api!.port!);
   const body = completionBody({ wait: false });
   const bodySha256 = sha256Hex(body);
-  let meter: CpuMeter | undefined;
-  let measuredCpu: Promise<CpuShares> | undefined;
+  const cpuWindow = ctx.cpuWindow();
 
   const result = await closedLoop({
     port: api!.port!,
@@ -25,18 +23,13 @@ export async function acceptPhase(ctx: PhaseContext): Promise<PhaseResult> {
     durationMs,
     request: () => signer.post(COMPLETIONS, body, bodySha256),
     check: checks.status(202, '"object":"chat.completion.async"', '"status":"queued"'),
-    onWindowStart: () => (meter = ctx.cpuMeter()),
-    onWindowEnd: () => (measuredCpu = meter?.end()),
+    onWindowStart: cpuWindow.onWindowStart,
+    onWindowEnd: cpuWindow.onWindowEnd,
   });
-  const cpu = await measuredCpu;
+  const cpu = await cpuWindow.shares();
 
   // Every acknowledgement must stand for a stored request and its job (and nothing else).
-  const stored = await ctx.query(async (client) => {
-    const { rows } = await client.query<{ requests: string; jobs: string }>(
-      `select (select count(*) from gateway.requests) as requests, (select count(*) from graphile_worker.jobs) as jobs`,
-    );
-    return { requests: Number(rows[0]!.requests), jobs: Number(rows[0]!.jobs) };
-  });
+  const stored = await ctx.storedCounts();
 
   const rps = result.ok / (durationMs / 1000);
   const p50 = result.latency.percentile(50);

@@ -47,12 +47,7 @@ export async function ceilingPhase(ctx: PhaseContext): Promise<PhaseResult> {
   const { tps, failed } = await measure('ceiling', statement, durationMs);
   const cpu = await meter.end();
 
-  const stored = await ctx.query(async (client) => {
-    const { rows } = await client.query<{ requests: string; jobs: string }>(
-      `select (select count(*) from gateway.requests) as requests, (select count(*) from graphile_worker.jobs) as jobs`,
-    );
-    return { requests: Number(rows[0]!.requests), jobs: Number(rows[0]!.jobs) };
-  });
+  const stored = await ctx.storedCounts();
   const consistent = stored.requests === stored.jobs && stored.requests > 0;
 
   // Two shorter runs for reference, after the check above (the first adds rows without jobs):

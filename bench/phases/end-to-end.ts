@@ -8,7 +8,6 @@
 // finished_at falls in the window, divided by its length, both from the database's clock.
 import { setTimeout as sleep } from 'node:timers/promises';
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
-import type { CpuMeter, CpuShares } from '../cpu.ts';
 import { checks, closedLoop } from '../load.ts';
 import { withClient } from '../postgres.ts';
 import { sha256Hex } from '../signing.ts';
@@ -67,8 +66,7 @@ export async function endToEndPhase(ctx: PhaseContext): Promise<PhaseResult> {
     const databaseNow = async () => (await monitor.query<{ now: Date }>('select clock_timestamp() as now')).rows[0]!.now;
     let windowStart: Promise<Date> | undefined;
     let windowEnd: Promise<Date> | undefined;
-    let meter: CpuMeter | undefined;
-    let measuredCpu: Promise<CpuShares> | undefined;
+    const cpuWindow = ctx.cpuWindow();
     const result = await closedLoop({
       port: api.port!,
       connections,
@@ -80,18 +78,18 @@ export async function endToEndPhase(ctx: PhaseContext): Promise<PhaseResult> {
       onWindowStart: () => {
         windowStart = databaseNow();
         counting = true;
-        meter = ctx.cpuMeter();
+        cpuWindow.onWindowStart();
       },
       onWindowEnd: () => {
         windowEnd = databaseNow();
         counting = false;
-        measuredCpu = meter?.end();
+        cpuWindow.onWindowEnd();
       },
     });
     clearTimeout(overTimer);
     polling = false;
     await poller;
-    const cpu = await measuredCpu;
+    const cpu = await cpuWindow.shares();
     const from = await windowStart!;
     const to = await windowEnd!;
 

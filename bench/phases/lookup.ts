@@ -1,7 +1,6 @@
 // GET /v1/requests/{id} throughput at saturation: signed lookups of 1,000 completed requests
 // (each answer carries its result), in turn, on the gateway as deployed by BENCH_TOPOLOGY.
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
-import type { CpuMeter, CpuShares } from '../cpu.ts';
 import { checks, closedLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
 import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine, waitUntilFinished } from './common.ts';
@@ -33,8 +32,7 @@ export async function lookupPhase(ctx: PhaseContext): Promise<PhaseResult> {
   if (!(await waitUntilFinished(ctx, 120_000))) throw new Error('the requests to look up did not complete within 120 s');
 
   let next = 0;
-  let meter: CpuMeter | undefined;
-  let measuredCpu: Promise<CpuShares> | undefined;
+  const cpuWindow = ctx.cpuWindow();
   const result = await closedLoop({
     port,
     connections,
@@ -42,10 +40,10 @@ export async function lookupPhase(ctx: PhaseContext): Promise<PhaseResult> {
     durationMs,
     request: () => signer.get(`/v1/requests/${ids[next++ % ids.length]}`),
     check: checks.status(200, '"status":"completed"', '"result":{'),
-    onWindowStart: () => (meter = ctx.cpuMeter()),
-    onWindowEnd: () => (measuredCpu = meter?.end()),
+    onWindowStart: cpuWindow.onWindowStart,
+    onWindowEnd: cpuWindow.onWindowEnd,
   });
-  const cpu = await measuredCpu;
+  const cpu = await cpuWindow.shares();
 
   const rps = result.ok / (durationMs / 1000);
   const p50 = result.latency.percentile(50);

@@ -3,7 +3,6 @@
 // gateway adds: storing, the worker picking the job up, claiming and recording the attempt,
 // waking the waiter and reading the result. The figure is latency minus the simulated time.
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
-import type { CpuMeter, CpuShares } from '../cpu.ts';
 import { checks, openLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
 import { COMPLETIONS, completionBody, errorLine, ms, spreadLine } from './common.ts';
@@ -45,8 +44,7 @@ async function measure(ctx: PhaseContext, rate: number, model: string) {
   const signer = ctx.signer(api.port!);
   const body = completionBody({ wait: true, model });
   const bodySha256 = sha256Hex(body);
-  let meter: CpuMeter | undefined;
-  let measuredCpu: Promise<CpuShares> | undefined;
+  const cpuWindow = ctx.cpuWindow();
 
   const result = await openLoop({
     port: api.port!,
@@ -57,10 +55,10 @@ async function measure(ctx: PhaseContext, rate: number, model: string) {
     drainTimeoutMs: 60_000,
     request: () => signer.post(COMPLETIONS, body, bodySha256),
     check: checks.status(200, '"object":"chat.completion"'),
-    onWindowStart: () => (meter = ctx.cpuMeter()),
-    onWindowEnd: () => (measuredCpu = meter?.end()),
+    onWindowStart: cpuWindow.onWindowStart,
+    onWindowEnd: cpuWindow.onWindowEnd,
   });
-  const cpu = await measuredCpu;
+  const cpu = await cpuWindow.shares();
 
   // Subtracting a constant keeps every rank: the overhead's percentiles are the latency's, less the delay.
   const latencies = result.latency;
