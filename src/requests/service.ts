@@ -76,13 +76,7 @@ export async function submit(
     const deadline = Date.now() + deps.config.waitTimeoutMs;
     let running: Promise<Recorded> | undefined;
     if (lease && stored.leaseJobId !== undefined) {
-      running = deps.local!.run({
-        id,
-        mode: auth.mode,
-        body: submission.body,
-        leaseJobId: stored.leaseJobId,
-        started: lease.started,
-      });
+      running = deps.local!.run({ id, mode: auth.mode, body: submission.body, leaseJobId: stored.leaseJobId }, lease);
       lease = undefined; // the attempt holds it now
     }
     if (watch && !running && answer.id !== id) {

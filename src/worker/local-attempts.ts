@@ -36,15 +36,13 @@ export interface LocalAttemptsOptions {
   graceMs: number;
 }
 
-/** A stored request whose first attempt this process started. */
+/** A request stored with one of this process's leases. */
 export interface LocalRequest {
   id: string;
   mode: KeyMode;
   /** JSON text of the upstream body, as stored. */
   body: string;
   leaseJobId: string;
-  /** Whether it was stored with its first attempt started (Lease.started); if not, it is claimed first. */
-  started: boolean;
 }
 
 export class LocalAttempts {
@@ -90,12 +88,13 @@ export class LocalAttempts {
   }
 
   /**
-   * Runs the first attempt of a request stored with a reservation's lease, which it uses up.
-   * Never rejects: an outcome that could not be recorded is left to the lease job ('stale').
+   * Runs the first attempt of a request stored with `lease` (from reserve()), which it uses up:
+   * at once if the lease started it, after claiming it if not. Never rejects: an outcome that
+   * could not be recorded is left to the lease job ('stale').
    */
-  run(request: LocalRequest): Promise<Recorded> {
+  run(request: LocalRequest, lease: Lease): Promise<Recorded> {
     this.#leases.set(request.id, { jobId: request.leaseJobId, dueAt: Date.now() + this.#options.leaseMs });
-    const running: Promise<Recorded> = this.#attempt(request)
+    const running: Promise<Recorded> = this.#attempt(request, lease.started)
       .catch((error: unknown) => {
         this.#log.error(
           { requestId: request.id, err: errorSummary(error) },
@@ -112,9 +111,9 @@ export class LocalAttempts {
     return running;
   }
 
-  async #attempt(request: LocalRequest): Promise<Recorded> {
+  async #attempt(request: LocalRequest, started: boolean): Promise<Recorded> {
     const { attempts } = this.#options;
-    const claimed = request.started
+    const claimed = started
       ? { id: request.id, mode: request.mode, body: request.body, attempt: 1 }
       : await attempts.claim({ id: request.id, attempt: 1, workerId: this.workerId });
     // Not claimable: its lease job came due and a worker took it.
