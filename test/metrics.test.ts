@@ -5,6 +5,7 @@ import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
 import { isTerminal, waitForRow } from './helpers/rows.ts';
 import { completionFor, startFakeUpstream } from './helpers/upstream.ts';
+import { until } from './helpers/wait.ts';
 
 /** Samples of the exposition format, as "name{labels}" -> value. */
 function parse(text: string): Map<string, number> {
@@ -75,10 +76,7 @@ t.test('the queue and the waiters, as they are', async (t) => {
   const client = clientFor(api.url, await api.createKey());
   for (let i = 0; i < 3; i++) await client.post({ model: 'test-echo', messages: userMessage() });
   const waiting = client.post({ model: 'test-echo', messages: userMessage(), wait: true });
-  for (let i = 0; api.waiters!.size === 0; i++) {
-    if (i > 300) throw new Error('never waited');
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
+  await until(() => api.waiters!.size > 0, 'the request to wait');
   const m = await scrape(api.url);
   t.equal(m.get('gateway_requests{status="queued",mode="test"}'), 4, 'no worker: four queued');
   t.equal(m.get('gateway_requests{status="processing",mode="test"}'), 0);

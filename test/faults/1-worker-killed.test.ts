@@ -4,7 +4,8 @@
 import t from 'tap';
 import { call, inBatches, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
-import { sleep, waitFor } from './support/processes.ts';
+import { waitFor } from '../helpers/wait.ts';
+import { sleep } from './support/processes.ts';
 import { countWhere, lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
 import { privateContent } from './support/run.ts';
 

@@ -6,6 +6,7 @@ import { authenticate } from '../../src/keys/service.ts';
 import { hashApiKey } from '../../src/keys/secrets.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
+import { until } from '../helpers/wait.ts';
 
 async function killListener(gateway: TestGateway) {
   const { rows } = await gateway.pool.query(
@@ -13,13 +14,6 @@ async function killListener(gateway: TestGateway) {
      where application_name = 'gateway-listen' and datname = current_database()`,
   );
   return rows.length;
-}
-
-async function until(condition: () => boolean, what: string) {
-  for (let i = 0; !condition(); i++) {
-    if (i > 500) throw new Error(`timed out waiting: ${what}`);
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
 }
 
 t.test('a revocation in one API process reaches the cache of another', async (t) => {

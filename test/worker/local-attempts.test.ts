@@ -8,6 +8,7 @@ import * as repository from '../../src/requests/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, jobsFor, requestRow, waitForNoJobs, waitForRow } from '../helpers/rows.ts';
+import { until } from '../helpers/wait.ts';
 
 const LOCAL = /^local-/;
 
@@ -157,12 +158,9 @@ t.test('shutdown: a local attempt gets SHUTDOWN_GRACE_MS, then is handed to the 
   const gateway = await startTestGateway(t, { env: { SHUTDOWN_GRACE_MS: '200', WAIT_TIMEOUT_MS: '10000' } });
   const client = clientFor(gateway.url, await gateway.createKey());
   const waiting = client.post({ model: 'test-delay-1500', messages: userMessage(), wait: true });
-  let id: string | undefined;
-  for (let i = 0; !id; i++) {
-    if (i > 250) throw new Error('the request was never stored');
-    id = (await gateway.pool.query('select id from gateway.requests')).rows[0]?.id;
-    await new Promise((resolve) => setTimeout(resolve, 20));
-  }
+  let stored: string | undefined;
+  await until(async () => !!(stored = (await gateway.pool.query('select id from gateway.requests')).rows[0]?.id), 'the request to be stored');
+  const id = stored!;
   await gateway.stop();
   const answer = await waiting;
   t.equal(answer.status, 202, 'the waiting client got its acknowledgement');

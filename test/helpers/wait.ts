@@ -1,0 +1,18 @@
+// Waiting for a condition in a test: by polling, with a bound.
+
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+
+/** Polls `check` until it holds; false if it still does not after `timeoutMs`. */
+export async function waitFor(check: () => Promise<boolean> | boolean, timeoutMs: number, everyMs = 50): Promise<boolean> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    if (await check()) return true;
+    if (Date.now() > deadline) return false;
+    await sleep(everyMs);
+  }
+}
+
+/** Polls `check` until it holds; throws, naming `what`, if it still does not after `timeoutMs`. */
+export async function until(check: () => Promise<boolean> | boolean, what: string, timeoutMs = 5_000): Promise<void> {
+  if (!(await waitFor(check, timeoutMs, 10))) throw new Error(`timed out waiting: ${what}`);
+}
