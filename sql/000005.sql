@@ -1,33 +1,13 @@
--- 000005: what operators need: views to read the service's state with psql, what keeps those
--- and the metrics cheap, and the cursor of the body-retention task.
+-- 000005: what operators need: views to read the service's state with psql, the indexes that
+-- keep those and the metrics cheap, and the cursor of the body-retention task.
 
 -- Unfinished requests are few (a queue), so this index stays small; it serves the
--- queue-depth metric and gateway.waiting_requests. It is keyed on finished_at rather than
--- status so that the updates of a request's life before its end (processing, retrying)
--- change no indexed column and can be HOT updates, which the fillfactor leaves room for.
-create index requests_unfinished on gateway.requests (created_at) where finished_at is null;
-alter table gateway.requests set (fillfactor = 80);
+-- queue-depth metric and gateway.waiting_requests.
+create index requests_unfinished on gateway.requests (created_at)
+  where status in ('queued', 'processing', 'retrying');
 
--- Request ids begin with their creation time in milliseconds (8 base62 digits), so "created
--- since" is a range of the primary key, here and in gateway.request_attempts.
-create function gateway.request_id_floor(since timestamptz) returns text
-  language plpgsql immutable strict
-  as $$
-declare
-  alphabet constant text := '0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz';
-  rest bigint := floor(extract(epoch from since) * 1000)::bigint;
-  digits text := '';
-begin
-  for i in 1..8 loop
-    digits := substr(alphabet, (rest % 62)::int + 1, 1) || digits;
-    rest := rest / 62;
-  end loop;
-  return 'req_' || digits;
-end;
-$$;
-comment on function gateway.request_id_floor(timestamptz) is
-  'The smallest id of a request created at that time: "where id >= gateway.request_id_floor(now() - interval ''1 hour'')" '
-  'selects the requests of the last hour through the primary key.';
+create index request_attempts_failed on gateway.request_attempts (finished_at)
+  where outcome = 'failed';
 
 create table gateway.retention_cursors (
   task text primary key,
@@ -54,7 +34,7 @@ create view gateway.waiting_requests as
          date_trunc('second', now() - requests.created_at) as waiting_for, requests.next_attempt_at
   from gateway.requests
   join gateway.projects on projects.id = requests.project_id
-  where requests.finished_at is null
+  where requests.status in ('queued', 'processing', 'retrying')
   order by requests.created_at;
 comment on view gateway.waiting_requests is 'Requests not finished yet (queued, processing, retrying), oldest first.';
 comment on column gateway.waiting_requests.waiting_for is 'Time since the request was accepted.';
@@ -65,9 +45,7 @@ create view gateway.recent_errors as
          count(distinct attempts.request_id) as requests, max(attempts.finished_at) as last_seen_at
   from gateway.request_attempts as attempts
   join gateway.requests on requests.id = attempts.request_id
-  -- (attempts of requests created in the last day: a primary-key range, however large the table)
-  where attempts.request_id >= gateway.request_id_floor(now() - interval '1 day')
-    and attempts.outcome = 'failed' and attempts.finished_at > now() - interval '1 hour'
+  where attempts.outcome = 'failed' and attempts.finished_at > now() - interval '1 hour'
   group by attempts.error_code, requests.mode
   order by failed_attempts desc, attempts.error_code;
 comment on view gateway.recent_errors is 'Failed attempts of the last hour, by error code and mode.';
