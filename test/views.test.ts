@@ -1,5 +1,5 @@
-// The psql views (sql/000005.sql) answer correctly against a populated database, and every
-// query of the README's "Inspecting with psql" section runs as written.
+// The psql views (sql/000005.sql, as 000007.sql left them) answer correctly against a populated
+// database, and every query of the README's "Inspecting with psql" section runs as written.
 import { readFile } from 'node:fs/promises';
 import t from 'tap';
 import { newRequestId, requestIdFloor } from '../src/ids.ts';

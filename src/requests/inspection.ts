@@ -1,5 +1,5 @@
-// SQL for operators: listings and the views of sql/000005.sql, read by `gateway requests` and
-// `gateway stats` (and by psql users directly).
+// SQL for operators: listings and the views of sql/000005.sql (as 000007.sql left them), read
+// by `gateway requests` and `gateway stats` (and by psql users directly).
 import { sql } from 'kysely';
 import type { RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
