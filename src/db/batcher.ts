@@ -73,3 +73,28 @@ export class Batcher<Item, Result> {
     }
   }
 }
+
+/**
+ * Writes a group in which an item may repeat the key of one before it (an item without a key
+ * never does): only the first of each key is written, and every repeat gets `repeat`. Returns
+ * one result per item, in order.
+ */
+export async function writeFirsts<Item, Result>(
+  items: readonly Item[],
+  keyOf: (item: Item) => string | undefined,
+  write: (firsts: Item[]) => Promise<Result[]>,
+  repeat: Result,
+): Promise<Result[]> {
+  const seen = new Set<string>();
+  const firsts: Item[] = [];
+  const isFirst = items.map((item) => {
+    const key = keyOf(item);
+    if (key !== undefined && seen.has(key)) return false;
+    if (key !== undefined) seen.add(key);
+    firsts.push(item);
+    return true;
+  });
+  const written = firsts.length > 0 ? await write(firsts) : [];
+  let next = 0;
+  return isFirst.map((first) => (first ? written[next++]! : repeat));
+}

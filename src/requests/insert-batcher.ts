@@ -2,7 +2,7 @@
 // statement, so one commit and one add_jobs (whose NOTIFY takes a cluster-wide lock at commit)
 // serve the whole group. Each submission still waits for its own commit before it is
 // acknowledged. A nonce repeated within one group is a replay: only its first use is written.
-import { Batcher } from '../db/batcher.ts';
+import { Batcher, writeFirsts } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
 import { insertRequests, type InsertResult, type Lease, type NewRequest, type Nonce } from './repository.ts';
 
@@ -39,19 +39,7 @@ export class InsertBatcher {
   }
 }
 
-async function writeGroup(db: Db, items: Item[]): Promise<InsertResult[]> {
-  const seen = new Set<string>();
-  const firsts: Item[] = [];
-  const replays = new Set<number>();
-  items.forEach((item, index) => {
-    const nonceKey = item.nonce && `${item.nonce.api_key_id}\n${item.nonce.nonce}`;
-    if (nonceKey && seen.has(nonceKey)) replays.add(index);
-    else {
-      if (nonceKey) seen.add(nonceKey);
-      firsts.push(item);
-    }
-  });
-  const written = firsts.length > 0 ? await insertRequests(db, firsts) : [];
-  let next = 0;
-  return items.map((_item, index) => (replays.has(index) ? { kind: 'replayed_nonce' } : written[next++]!));
+function writeGroup(db: Db, items: Item[]): Promise<InsertResult[]> {
+  const nonceKey = (item: Item) => item.nonce && `${item.nonce.api_key_id}\n${item.nonce.nonce}`;
+  return writeFirsts(items, nonceKey, (firsts) => insertRequests(db, firsts), { kind: 'replayed_nonce' });
 }

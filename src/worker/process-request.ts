@@ -13,7 +13,7 @@
 import type { JobHelpers, Task } from 'graphile-worker';
 import * as v from 'valibot';
 import type { Config } from '../config.ts';
-import { Batcher } from '../db/batcher.ts';
+import { Batcher, writeFirsts } from '../db/batcher.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { Logger } from '../logger.ts';
@@ -209,13 +209,6 @@ export function processRequestTask(attempts: Attempts, logger: Logger): Task {
  * Claims a group. Two jobs naming the same request in one group (only possible while a lost
  * attempt is being recovered) must not both believe they started it: only the first is sent.
  */
-async function claimGroup(db: Db, items: Claim[]): Promise<(ClaimedAttempt | undefined)[]> {
-  const firstIndex = new Map<string, number>();
-  items.forEach((item, index) => {
-    if (!firstIndex.has(item.id)) firstIndex.set(item.id, index);
-  });
-  const firsts = items.filter((item, index) => firstIndex.get(item.id) === index);
-  const claimed = await repository.claimAttempts(db, firsts);
-  const byId = new Map(firsts.map((item, index) => [item.id, claimed[index]]));
-  return items.map((item, index) => (firstIndex.get(item.id) === index ? byId.get(item.id) : undefined));
+function claimGroup(db: Db, items: Claim[]): Promise<(ClaimedAttempt | undefined)[]> {
+  return writeFirsts(items, (item) => item.id, (firsts) => repository.claimAttempts(db, firsts), undefined);
 }

@@ -2,7 +2,10 @@
 // retrying -> processing -> completed, processing -> failed; a lost attempt is recorded as
 // worker_lost and retried; a terminal request is never run again.
 import t, { type Test } from 'tap';
+import { Metrics } from '../../src/metrics.ts';
+import { createLogger } from '../../src/logger.ts';
 import * as repository from '../../src/requests/repository.ts';
+import { createAttempts } from '../../src/worker/process-request.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, jobsFor, requestRow, waitForNoJobs, waitForRow } from '../helpers/rows.ts';
@@ -95,6 +98,34 @@ t.test('a terminal request is never run again, whatever jobs name it', async (t)
   t.same(await requestRow(gateway.db, id), before, 'the row did not change');
   t.equal(upstream.calls.length, 1, 'the upstream was called once');
   t.equal((await attemptRows(gateway.db, id)).length, 1);
+});
+
+t.test('jobs claiming the same attempt in one group: only the first starts it', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(api.url, await api.createKey({ mode: 'live' }));
+  const [first, second, id] = await Promise.all(
+    [1, 2, 3].map(async () => (await client.post({ model: 'gpt-test', messages: userMessage() })).body.id as string),
+  );
+  const attempts = createAttempts({
+    db: api.db,
+    config: api.config,
+    metrics: new Metrics(),
+    logger: createLogger({ logLevel: 'silent' }),
+  });
+  // Submitted in the same tick: the first two claims take the two statements allowed at once,
+  // and the three claims of the last request wait for the next, together.
+  const claims = [
+    { id: first!, workerId: 'pool-a' },
+    { id: second!, workerId: 'pool-a' },
+    { id: id!, workerId: 'pool-a' },
+    { id: id!, workerId: 'pool-b' },
+    { id: id!, workerId: 'pool-c' },
+  ];
+  const claimed = await Promise.all(claims.map((claim) => attempts.claim({ ...claim, attempt: 1 })));
+  t.equal(claimed.filter((attempt) => attempt?.id === id).length, 1, 'one claim started the attempt');
+  t.match(claimed[2], { id, attempt: 1 }, 'the first of the group');
+  t.match(await requestRow(api.db, id!), { status: 'processing', attempts: 1 });
+  t.match(await attemptRows(api.db, id!), [{ attempt_number: 1, worker_id: 'pool-a' }]);
 });
 
 t.test('an attempt whose worker died is recorded as worker_lost and the request is retried', async (t) => {
