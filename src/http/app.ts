@@ -2,7 +2,6 @@
 // main.ts wire it the same way. Per route, the steps are:
 //   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
 // createOpsApp(deps): what a worker-only process serves: health and metrics.
-import type { ServerResponse } from 'node:http';
 import Router from '@koa/router';
 import Koa from 'koa';
 import type pg from 'pg';
@@ -22,6 +21,7 @@ import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
 import type { GatewayContext, GatewayState, Reply, Step } from './context.ts';
 import { errorReply, renderError } from './errors.ts';
+import { send } from './reply.ts';
 import { verifyRequestSignature } from './signature.ts';
 import { createCompletion } from './routes/completions.ts';
 import { healthz, metricsRoute, readyz } from './routes/ops.ts';
@@ -154,20 +154,4 @@ function answerLater(
     }
   };
   later.then(finish, (caught: unknown) => finish(undefined, caught));
-}
-
-/** What Koa's respond() does for a JSON body, on a response Koa has left to us. */
-function send(res: ServerResponse, reply: Reply): void {
-  // As Koa's ctx.writable: a client that hung up gets nothing.
-  if (res.destroyed || res.writableEnded || (res.socket && !res.socket.writable)) {
-    res.end();
-    return;
-  }
-  const body = typeof reply.body === 'string' ? reply.body : JSON.stringify(reply.body);
-  res.statusCode = reply.status;
-  res.setHeader('Content-Type', 'application/json; charset=utf-8');
-  if (reply.replayed) res.setHeader('Idempotent-Replayed', 'true');
-  for (const [name, value] of Object.entries(reply.headers ?? {})) res.setHeader(name, value);
-  res.setHeader('Content-Length', Buffer.byteLength(body));
-  res.end(body);
 }

@@ -5,12 +5,10 @@ import { isDatabaseUnavailable, errorSummary } from '../db/pool.ts';
 import { ApiError, internalError, serviceUnavailable } from '../errors.ts';
 import type { Logger } from '../logger.ts';
 import type { Reply } from './context.ts';
+import { setReply } from './reply.ts';
 
 export function renderError(ctx: ParameterizedContext, caught: unknown, logger: Logger): void {
-  const reply = errorReply(caught, logger, ctx.method, ctx.path);
-  ctx.status = reply.status;
-  ctx.body = reply.body;
-  if (reply.headers) ctx.set(reply.headers);
+  setReply(ctx, errorReply(caught, logger, ctx.method, ctx.path));
 }
 
 /** The error as a Reply: what renderError sets, and what an answer sent outside Koa sends. */

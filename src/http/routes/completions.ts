@@ -4,17 +4,14 @@ import { parseSubmission } from '../../requests/schemas.ts';
 import { submit, type RequestDeps, type SubmitOutcome } from '../../requests/service.ts';
 import { parseJson } from '../body.ts';
 import type { GatewayState, Reply } from '../context.ts';
+import { setReply } from '../reply.ts';
 
 export function createCompletion(deps: RequestDeps): Middleware<GatewayState> {
   return async (ctx) => {
     const submission = parseSubmission(parseJson(ctx.state.body!));
     const submitted = await submit(deps, ctx.state.auth, submission, { signature: ctx.state.signature });
     if (submitted.kind !== 'waiting') {
-      const reply = replyOf(submitted);
-      if (reply.replayed) ctx.set('Idempotent-Replayed', 'true');
-      ctx.status = reply.status;
-      ctx.type = 'application/json';
-      ctx.body = reply.body;
+      setReply(ctx, replyOf(submitted));
       return;
     }
     // Still waiting: answered later, outside the middleware chain (app.ts). If the client hangs

@@ -1,0 +1,30 @@
+// A Reply (context.ts) put on the wire: through Koa, or, for an answer sent after Koa let go
+// of the request (a wait=true request that waited), straight onto the response.
+import type { ServerResponse } from 'node:http';
+import type { ParameterizedContext } from 'koa';
+import type { Reply } from './context.ts';
+
+/** Sets the reply on Koa's context, for Koa to send. */
+export function setReply(ctx: ParameterizedContext, reply: Reply): void {
+  ctx.status = reply.status;
+  ctx.type = 'application/json';
+  ctx.body = reply.body;
+  if (reply.replayed) ctx.set('Idempotent-Replayed', 'true');
+  if (reply.headers) ctx.set(reply.headers);
+}
+
+/** What Koa's respond() does for a JSON body, on a response Koa has left to us. */
+export function send(res: ServerResponse, reply: Reply): void {
+  // As Koa's ctx.writable: a client that hung up gets nothing.
+  if (res.destroyed || res.writableEnded || (res.socket && !res.socket.writable)) {
+    res.end();
+    return;
+  }
+  const body = typeof reply.body === 'string' ? reply.body : JSON.stringify(reply.body);
+  res.statusCode = reply.status;
+  res.setHeader('Content-Type', 'application/json; charset=utf-8');
+  if (reply.replayed) res.setHeader('Idempotent-Replayed', 'true');
+  for (const [name, value] of Object.entries(reply.headers ?? {})) res.setHeader(name, value);
+  res.setHeader('Content-Length', Buffer.byteLength(body));
+  res.end(body);
+}
