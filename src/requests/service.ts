@@ -153,16 +153,10 @@ function startWaiting(
   replayed: boolean,
   deadline: number,
 ): Waiting {
-  // Only a local attempt's wait needs a signal: the watch is told directly.
-  const hangUp = running ? new AbortController() : undefined;
-  const outcome = waitForOutcome(deps, watch, running, answerOf(answer), replayed, deadline, hangUp?.signal);
   return {
     kind: 'waiting',
-    outcome,
-    abort: () => {
-      hangUp?.abort();
-      watch.abort();
-    },
+    outcome: waitForOutcome(deps, watch, running, answerOf(answer), replayed, deadline),
+    abort: () => watch.abort(),
   };
 }
 
@@ -178,11 +172,10 @@ async function waitForOutcome(
   answer: Answer,
   replayed: boolean,
   deadline: number,
-  signal: AbortSignal | undefined,
 ): Promise<SubmitOutcome> {
   try {
     let current = answer;
-    if (running) current = await waitForLocal(deps, running, current, deadline, signal);
+    if (running) current = await waitForLocal(watch, running, current, deadline);
     return outcomeOf(await waitForTerminal(deps, watch, current, deadline), replayed, true);
   } finally {
     watch.close();
@@ -190,35 +183,26 @@ async function waitForOutcome(
 }
 
 /**
- * Waits for a local attempt's outcome until the deadline, the client's hang-up or shutdown.
- * Its outcome is the request's new state, committed: no need to read the row again. An attempt
- * that ended in a retry (or was taken over) leaves the rest of the wait to waitForTerminal.
+ * Waits for a local attempt's outcome until the watch ends the wait (deadline, the client's
+ * hang-up, shutdown). Its outcome is the request's new state, committed: no need to read the
+ * row again. An attempt that ended in a retry (or was taken over) leaves the rest of the wait to
+ * waitForTerminal.
  */
-async function waitForLocal(
-  deps: RequestDeps,
-  running: Promise<Recorded>,
-  answer: Answer,
-  deadline: number,
-  signal?: AbortSignal,
-): Promise<Answer> {
-  let timer: NodeJS.Timeout | undefined;
-  let giveUp = () => {};
-  const gaveUp = new Promise<undefined>((resolve) => {
-    giveUp = () => resolve(undefined);
-    timer = setTimeout(giveUp, Math.max(0, deadline - Date.now()));
-    signal?.addEventListener('abort', giveUp, { once: true });
-    deps.waiters.closing.addEventListener('abort', giveUp, { once: true });
-    if (signal?.aborted || deps.waiters.closing.aborted) giveUp();
-  });
-  try {
-    const recorded = await Promise.race([running, gaveUp]);
-    if (recorded?.status === 'completed') return { ...answer, status: 'completed', result: recorded.result };
-    if (recorded?.status === 'failed') return { ...answer, status: 'failed' };
-    return recorded?.status === 'retrying' ? { ...answer, status: 'retrying' } : answer;
-  } finally {
-    clearTimeout(timer);
-    signal?.removeEventListener('abort', giveUp);
-    deps.waiters.closing.removeEventListener('abort', giveUp);
+async function waitForLocal(watch: Watch, running: Promise<Recorded>, answer: Answer, deadline: number): Promise<Answer> {
+  const outcome = running.then((recorded) => ({ recorded }));
+  for (;;) {
+    const remaining = deadline - Date.now();
+    if (remaining <= 0) return answer;
+    const event = await Promise.race([outcome, watch.next(remaining)]);
+    if (typeof event === 'object') {
+      const { recorded } = event;
+      if (recorded.status === 'completed') return { ...answer, status: 'completed', result: recorded.result };
+      if (recorded.status === 'failed' || recorded.status === 'retrying') return { ...answer, status: recorded.status };
+      return answer;
+    }
+    // 'changed': the attempt's own outcome waking its waiters (it settles next), or a reminder
+    // to read the row while notifications are down; the outcome tells more than the row.
+    if (event !== 'changed') return answer;
   }
 }
 

@@ -5,7 +5,6 @@
 // own completions directly. The database stays the truth: a wake-up only tells a waiter to read
 // its row again. While the LISTEN connection is down, waiters re-read their rows on a short
 // interval instead, and every waiter re-reads once it is back, so no completion is missed.
-import { setMaxListeners } from 'node:events';
 import type { Listener } from '../db/listener.ts';
 
 export const FINISHED_CHANNEL = 'gateway_requests_finished';
@@ -16,7 +15,10 @@ export type WatchEvent = 'changed' | 'timeout' | 'aborted' | 'closed';
 
 export interface Watch {
   readonly id: string;
-  /** Resolves at the next wake-up of this id (or at once if one came since the last call). */
+  /**
+   * Resolves at the next wake-up of this id (or at once if one came since the last call). A
+   * call while the last one is still pending settles that one ('changed').
+   */
   next(timeoutMs: number): Promise<WatchEvent>;
   /** The caller gave up (its client hung up): this wait, or the next, ends with 'aborted'. */
   abort(): void;
@@ -28,23 +30,16 @@ export class Waiters {
   // One watch per id almost always; an array when idempotent replays wait on the same request.
   readonly #subscribers = new Map<string, Subscription | Subscription[]>();
   readonly #listener: Listener;
-  readonly #closing = new AbortController();
+  #closed = false;
 
   constructor(listener: Listener) {
     this.#listener = listener;
-    // Every local wait listens to it: as many listeners as waiting requests.
-    setMaxListeners(0, this.#closing.signal);
     listener.subscribe(FINISHED_CHANNEL, {
       notification: (payload) => this.wake(payload.split(',')),
       // Waiters switch to polling, and read their rows again once notifications are back.
       lost: () => this.#wakeAll(),
       restored: () => this.#wakeAll(),
     });
-  }
-
-  /** Aborted when close() answers every waiter (for waits that do not go through watch()). */
-  get closing(): AbortSignal {
-    return this.#closing.signal;
   }
 
   /** Number of wait=true requests currently held open in this process. */
@@ -55,7 +50,7 @@ export class Waiters {
   }
 
   get closed(): boolean {
-    return this.#closing.signal.aborted;
+    return this.#closed;
   }
 
   /** Without a LISTEN connection nobody will wake a waiter: it must come back soon to read its row. */
@@ -83,7 +78,7 @@ export class Waiters {
 
   /** Answers every waiter: they fall back to the acknowledgement. */
   close(): void {
-    this.#closing.abort();
+    this.#closed = true;
     for (const entry of this.#subscribers.values()) wakeEntry(entry, 'closed');
   }
 
@@ -127,6 +122,9 @@ class Subscription implements Watch {
   }
 
   next(timeoutMs: number): Promise<WatchEvent> {
+    // A caller that raced the last call against something else has moved on: settle it, so
+    // that its timer cannot end this one.
+    if (this.#resolve) this.#finish('changed');
     if (this.#waiters.closed) return Promise.resolve('closed');
     if (this.#aborted) return Promise.resolve('aborted');
     if (this.#pending) {
