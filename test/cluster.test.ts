@@ -1,48 +1,35 @@
 // API_PROCESSES > 1: several API processes share the port, the primary runs the worker, a
 // scrape of /metrics counts every process, a killed API process is replaced, and SIGTERM stops
 // them all cleanly.
-import { spawn } from 'node:child_process';
 import t from 'tap';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
 import { freePort } from './helpers/ports.ts';
+import { spawnServe } from './helpers/serve.ts';
+import { until } from './helpers/wait.ts';
 
 t.test('two API processes and a worker, started by one gateway serve', async (t) => {
   const setup = await startTestGateway(t, { role: 'api' });
   await setup.stop();
   const key = await setup.createKey();
   const port = await freePort();
-  const child = spawn(process.execPath, [...process.execArgv, new URL('../src/cli.ts', import.meta.url).pathname, 'serve'], {
-    env: {
-      ...process.env,
-      DATABASE_URL: setup.databaseUrl,
-      SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
-      PORT: String(port),
-      HOST: '127.0.0.1',
-      API_PROCESSES: '2',
-      LOG_LEVEL: 'info',
-    },
-    stdio: ['ignore', 'pipe', 'pipe'],
+  const serve = spawnServe(t, {
+    DATABASE_URL: setup.databaseUrl,
+    SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
+    PORT: String(port),
+    HOST: '127.0.0.1',
+    API_PROCESSES: '2',
+    LOG_LEVEL: 'info',
   });
-  let output = '';
-  child.stdout.on('data', (chunk) => (output += chunk));
-  child.stderr.on('data', (chunk) => (output += chunk));
-  const exited = new Promise<number | null>((resolve) => child.on('exit', resolve));
-  t.teardown(() => {
-    if (child.exitCode === null) child.kill('SIGKILL');
-  });
-  const until = async (condition: () => boolean, what: string) => {
-    for (let i = 0; !condition(); i++) {
-      if (i > 500) throw new Error(`timed out waiting for ${what}:\n${output}`);
-      await new Promise((resolve) => setTimeout(resolve, 20));
-    }
-  };
+  const { child, output } = serve;
+  const waitUntil = (condition: () => boolean, what: string) =>
+    until(condition, () => `${what}:\n${output()}`, 10_000);
   const pidsOf = (message: string) =>
-    output
+    output()
       .split('\n')
       .filter((line) => line.includes(`"msg":"${message}"`))
       .map((line) => JSON.parse(line).pid as number);
-  await until(() => output.includes('API processes listening'), 'the API processes');
+  await waitUntil(() => output().includes('API processes listening'), 'the API processes');
 
   const url = `http://127.0.0.1:${port}`;
   const client = clientFor(url, key);
@@ -52,7 +39,7 @@ t.test('two API processes and a worker, started by one gateway serve', async (t)
   t.same(new Set(answers.map((answer) => answer.status)), new Set([200]), 'all 20 completed through the cluster');
   const apiPids = pidsOf('gateway started').filter((pid) => pid !== child.pid);
   t.equal(new Set(apiPids).size, 2, 'two API processes started');
-  const servedBy = output
+  const servedBy = output()
     .split('\n')
     .filter((line) => line.includes('"route":"/v1/chat/completions"'))
     .map((line) => JSON.parse(line).pid as number);
@@ -64,12 +51,12 @@ t.test('two API processes and a worker, started by one gateway serve', async (t)
 
   // A killed API process is replaced; the service keeps answering.
   process.kill(apiPids[0]!, 'SIGKILL');
-  await until(() => output.includes('an API process exited; starting another'), 'the replacement');
-  await until(() => pidsOf('gateway started').filter((pid) => pid !== child.pid).length === 3, 'a third API process');
+  await waitUntil(() => output().includes('an API process exited; starting another'), 'the replacement');
+  await waitUntil(() => pidsOf('gateway started').filter((pid) => pid !== child.pid).length === 3, 'a third API process');
   const after = await client.post({ model: 'test-echo', messages: userMessage('after'), wait: true });
   t.equal(after.status, 200);
 
   child.kill('SIGTERM');
-  t.equal(await exited, 0, 'exits 0 on SIGTERM');
+  t.equal(await serve.exited, 0, 'exits 0 on SIGTERM');
   t.equal(pidsOf('shut down cleanly').length, 3, 'the primary and both API processes shut down cleanly');
 });

@@ -1,13 +1,14 @@
 // Graceful shutdown (issue 4): running attempts finish within SHUTDOWN_GRACE_MS, the rest are
 // handed back to be retried; the process exits 0. And requests too broken for the app still
 // get the contract's error shape.
-import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { connect } from 'node:net';
 import t from 'tap';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage } from './helpers/http.ts';
 import { attemptRows, isTerminal, jobsFor, requestRow, waitForRow } from './helpers/rows.ts';
+import { spawnServe } from './helpers/serve.ts';
+import { until } from './helpers/wait.ts';
 
 t.test('a stopping worker lets short attempts finish and hands the long ones back', async (t) => {
   const gateway = await startTestGateway(t, { env: { SHUTDOWN_GRACE_MS: '1000' } });
@@ -35,27 +36,17 @@ t.test('a stopping worker lets short attempts finish and hands the long ones bac
 
 t.test('gateway serve exits 0 on SIGTERM', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
-  const child = spawn(process.execPath, [new URL('../src/cli.ts', import.meta.url).pathname, 'serve'], {
-    env: {
-      ...process.env,
-      DATABASE_URL: gateway.databaseUrl,
-      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
-      PORT: '0',
-      HOST: '127.0.0.1',
-      LOG_LEVEL: 'info',
-    },
-    stdio: ['ignore', 'pipe', 'pipe'],
+  const serve = spawnServe(t, {
+    DATABASE_URL: gateway.databaseUrl,
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    PORT: '0',
+    HOST: '127.0.0.1',
+    LOG_LEVEL: 'info',
   });
-  let output = '';
-  child.stdout.on('data', (chunk) => (output += chunk));
-  for (let i = 0; !output.includes('gateway started'); i++) {
-    if (i > 300) throw new Error(`did not start: ${output}`);
-    await new Promise((resolve) => setTimeout(resolve, 20));
-  }
-  child.kill('SIGTERM');
-  const code = await new Promise((resolve) => child.on('exit', resolve));
-  t.equal(code, 0);
-  t.match(output, /shut down cleanly/);
+  await until(() => serve.output().includes('gateway started'), () => `gateway serve to start: ${serve.output()}`, 6_000);
+  serve.child.kill('SIGTERM');
+  t.equal(await serve.exited, 0);
+  t.match(serve.output(), /shut down cleanly/);
 });
 
 t.test('unparseable requests and oversized headers get the contract error shape', async (t) => {

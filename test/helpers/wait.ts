@@ -12,7 +12,16 @@ export async function waitFor(check: () => Promise<boolean> | boolean, timeoutMs
   }
 }
 
-/** Polls `check` until it holds; throws, naming `what`, if it still does not after `timeoutMs`. */
-export async function until(check: () => Promise<boolean> | boolean, what: string, timeoutMs = 5_000): Promise<void> {
-  if (!(await waitFor(check, timeoutMs, 10))) throw new Error(`timed out waiting: ${what}`);
+/**
+ * Polls `check` until it holds; throws, naming `what` (a function: what to say at that moment),
+ * if it still does not after `timeoutMs`.
+ */
+export async function until(
+  check: () => Promise<boolean> | boolean,
+  what: string | (() => string),
+  timeoutMs = 5_000,
+): Promise<void> {
+  if (!(await waitFor(check, timeoutMs, 10))) {
+    throw new Error(`timed out waiting: ${typeof what === 'string' ? what : what()}`);
+  }
 }

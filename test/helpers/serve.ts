@@ -1,0 +1,31 @@
+// `gateway serve` as a child process of the test, its output (stdout and stderr) collected.
+import { spawn, type ChildProcess } from 'node:child_process';
+
+interface Teardown {
+  teardown(fn: () => Promise<void> | void): void;
+}
+
+export interface ServeProcess {
+  child: ChildProcess;
+  /** Everything it has printed so far. */
+  output(): string;
+  /** Its exit code, once it has exited. */
+  exited: Promise<number | null>;
+}
+
+/** Starts `gateway serve` with these settings over the test's own environment; killed at teardown. */
+export function spawnServe(t: Teardown, env: Record<string, string>): ServeProcess {
+  const cli = new URL('../../src/cli.ts', import.meta.url).pathname;
+  const child = spawn(process.execPath, [...process.execArgv, cli, 'serve'], {
+    env: { ...process.env, ...env },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let output = '';
+  child.stdout.on('data', (chunk) => (output += chunk));
+  child.stderr.on('data', (chunk) => (output += chunk));
+  const exited = new Promise<number | null>((resolve) => child.on('exit', resolve));
+  t.teardown(() => {
+    if (child.exitCode === null && child.signalCode === null) child.kill('SIGKILL');
+  });
+  return { child, output: () => output, exited };
+}
