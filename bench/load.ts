@@ -30,8 +30,8 @@ export interface LoadResult {
   totalErrors: number;
   /** Milliseconds from the request's write to the response's last byte, correct answers in the window. */
   latency: Samples;
-  /** Correct answers per second of the window: the lowest and highest whole second. */
-  perSecond: { min: number; max: number };
+  /** Correct answers in each whole second of the window, and the lowest and highest of them. */
+  perSecond: { min: number; max: number; series: number[] };
 }
 
 export interface ClosedLoopOptions extends WindowHooks {
@@ -192,7 +192,7 @@ function emptyResult(windowMs: number): LoadResult {
     totalOk: 0,
     totalErrors: 0,
     latency: new Samples(),
-    perSecond: { min: 0, max: 0 },
+    perSecond: { min: 0, max: 0, series: [] },
   };
 }
 

@@ -53,10 +53,10 @@ export class PerSecond {
     this.#counts[second]!++;
   }
 
-  /** Lowest and highest of the first `seconds` whole seconds. */
-  range(seconds: number): { min: number; max: number } {
-    const counts = Array.from({ length: seconds }, (_, i) => this.#counts[i] ?? 0);
-    return { min: Math.min(...counts), max: Math.max(...counts) };
+  /** The first `seconds` whole seconds: each one's count, and the lowest and highest. */
+  range(seconds: number): { min: number; max: number; series: number[] } {
+    const series = Array.from({ length: seconds }, (_, i) => this.#counts[i] ?? 0);
+    return { min: Math.min(...series), max: Math.max(...series), series };
   }
 }
 

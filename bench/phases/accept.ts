@@ -55,6 +55,6 @@ export async function acceptPhase(ctx: PhaseContext): Promise<PhaseResult> {
       },
     ],
     details,
-    data: { rps, p50, p99, errors: Object.fromEntries(result.errors), stored, acknowledged: result.totalOk, cpu: cpu?.cores },
+    data: { rps, p50, p99, perSecond: result.perSecond.series, errors: Object.fromEntries(result.errors), stored, acknowledged: result.totalOk, cpu: cpu?.cores },
   };
 }

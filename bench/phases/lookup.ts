@@ -66,6 +66,6 @@ export async function lookupPhase(ctx: PhaseContext): Promise<PhaseResult> {
       },
     ],
     details,
-    data: { rps, p50, p99, errors: Object.fromEntries(result.errors), cpu: cpu?.cores },
+    data: { rps, p50, p99, perSecond: result.perSecond.series, errors: Object.fromEntries(result.errors), cpu: cpu?.cores },
   };
 }
