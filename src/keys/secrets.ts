@@ -1,14 +1,14 @@
 // How keys and signing secrets are kept: API keys only as SHA-256 (they are long random
 // strings, so a plain hash cannot be reversed by guessing), signing secrets encrypted with
 // AES-256-GCM under the server's SECRET_ENCRYPTION_KEY, bound to their key id.
-import { createCipheriv, createDecipheriv, createHash, randomBytes } from 'node:crypto';
+import { createCipheriv, createDecipheriv, hash, randomBytes } from 'node:crypto';
 
 const FORMAT_VERSION = 1;
 const IV_BYTES = 12;
 const TAG_BYTES = 16;
 
 export function hashApiKey(apiKey: string): Buffer {
-  return createHash('sha256').update(apiKey, 'utf8').digest();
+  return hash('sha256', apiKey, 'buffer');
 }
 
 /** version (1 byte) | iv (12) | GCM tag (16) | ciphertext; the key id is the associated data. */

@@ -2,7 +2,7 @@
 //   Svc-Signature: t=<unix seconds>,n=<nonce>,v1=<hex HMAC-SHA256>
 // over the six lines "v1", t, n, METHOD, path and query, SHA-256 hex of the body bytes, keyed
 // with the signing secret's UTF-8 bytes.
-import { createHash, createHmac, createSecretKey, type KeyObject, timingSafeEqual } from 'node:crypto';
+import { createHmac, createSecretKey, hash, type KeyObject, timingSafeEqual } from 'node:crypto';
 import { authenticationError } from '../errors.ts';
 
 export const SIGNATURE_WINDOW_SECONDS = 300;
@@ -22,7 +22,7 @@ export interface VerifiedSignature {
 
 /** The string that is signed. */
 export function canonicalString(request: SignedRequest, timestamp: number, nonce: string): string {
-  const bodySha256 = createHash('sha256').update(request.body).digest('hex');
+  const bodySha256 = hash('sha256', request.body);
   return ['v1', String(timestamp), nonce, request.method.toUpperCase(), request.path, bodySha256].join('\n');
 }
 

@@ -1,6 +1,6 @@
 // The body of POST /v1/chat/completions (CONTRACT.md section 2), and how a body that breaks
 // it is explained: one ApiError naming the first parameter at fault.
-import { createHash } from 'node:crypto';
+import { hash } from 'node:crypto';
 import * as v from 'valibot';
 import { ApiError, invalidRequest } from '../errors.ts';
 
@@ -78,7 +78,7 @@ export function parseSubmission(input: unknown): Submission {
   const body = canonicalJson(upstream);
   return {
     body,
-    bodySha256: createHash('sha256').update(body).digest(),
+    bodySha256: hash('sha256', body, 'buffer'),
     model: upstream.model,
     wait: wait ?? false,
     idempotencyKey: idempotency_key,
