@@ -2,6 +2,8 @@
 // request costs no database round trip. The database stays the truth: a key that changes
 // (revoked, deleted) is announced by NOTIFY and dropped at once; while the LISTEN connection is
 // down nothing is cached or served from the cache; and entries expire anyway after a minute.
+// Requests that miss the same key at the same time (a cold cache under load, an entry just
+// expired) share one read of it.
 import type { KeyObject } from 'node:crypto';
 import type { Listener } from '../db/listener.ts';
 import type { Auth } from './service.ts';
@@ -24,6 +26,8 @@ export class KeyCache {
   // Bumped by every invalidation: a key read from the database before one must not be cached
   // after it (its NOTIFY may have arrived while the read was under way).
   #generation = 0;
+  /** Reads under way, by key hash (hex); an invalidation empties it, so no later miss joins them. */
+  readonly #reading = new Map<string, Promise<Auth | undefined>>();
 
   constructor(listener: Listener, options: { ttlMs?: number; maxEntries?: number } = {}) {
     this.#listener = listener;
@@ -72,6 +76,29 @@ export class KeyCache {
     this.#keyIdBySha.set(sha, auth.keyId);
   }
 
+  /**
+   * The key read by `read` (undefined: no such key, or revoked) and cached, the one read shared
+   * by the callers that miss it until it is done. A caller that comes after an invalidation
+   * starts a read of its own: it must see the key as it is since then.
+   */
+  read(keySha256: Buffer, read: () => Promise<Auth | undefined>): Promise<Auth | undefined> {
+    if (!this.#listener.listening) return read();
+    const sha = keySha256.toString('hex');
+    const shared = this.#reading.get(sha);
+    if (shared) return shared;
+    const generation = this.#generation;
+    const reading = read()
+      .then((auth) => {
+        if (auth) this.set(keySha256, auth, generation);
+        return auth;
+      })
+      .finally(() => {
+        if (this.#reading.get(sha) === reading) this.#reading.delete(sha);
+      });
+    this.#reading.set(sha, reading);
+    return reading;
+  }
+
   /** The key's HMAC signing key, decrypted and prepared once per cache entry. */
   signingKey(auth: Auth, prepare: () => KeyObject): KeyObject {
     const entry = this.#listener.listening ? this.#byKeyId.get(auth.keyId) : undefined;
@@ -82,6 +109,7 @@ export class KeyCache {
 
   forget(keyId: string): void {
     this.#generation++;
+    this.#reading.clear();
     const entry = this.#byKeyId.get(keyId);
     if (!entry) return;
     this.#byKeyId.delete(keyId);
@@ -90,6 +118,7 @@ export class KeyCache {
 
   clear(): void {
     this.#generation++;
+    this.#reading.clear();
     this.#byKeyId.clear();
     this.#keyIdBySha.clear();
   }

@@ -87,17 +87,22 @@ export async function authenticate(db: Db, authorization: string | undefined, ca
   const keySha256 = hashApiKey(token);
   const cached = cache?.get(keySha256);
   if (cached) return cached;
-  const generation = cache?.generation ?? 0;
+  const read = () => readKey(db, keySha256);
+  const auth = await (cache ? cache.read(keySha256, read) : read());
+  if (auth === undefined) throw invalidApiKey();
+  return auth;
+}
+
+/** The key with that hash, unless there is none or it is revoked. */
+async function readKey(db: Db, keySha256: Buffer): Promise<Auth | undefined> {
   const key = await repository.findKeyByHash(db, keySha256);
-  if (key === undefined || key.revoked_at !== null) throw invalidApiKey();
-  const auth: Auth = {
+  if (key === undefined || key.revoked_at !== null) return undefined;
+  return {
     keyId: key.id,
     projectId: key.project_id,
     mode: key.mode,
     signingSecretCiphertext: key.signing_secret_ciphertext,
   };
-  cache?.set(keySha256, auth, generation);
-  return auth;
 }
 
 const invalidApiKey = () => authenticationError('invalid_api_key', 'The API key is not valid.');
