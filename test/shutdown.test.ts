@@ -28,9 +28,10 @@ t.test('a stopping worker lets short attempts finish and hands the long ones bac
   const locked = await gateway.pool.query('select count(*)::int as count from graphile_worker.jobs where locked_by is not null');
   t.equal(locked.rows[0].count, 0, 'and left no job locked');
 
-  // Another worker picks it up.
-  await startTestGateway(t, { role: 'worker', databaseUrl: gateway.databaseUrl });
+  // Another worker picks it up (made quick first: a worker that took it before the change
+  // would run the 30 s model again).
   await gateway.pool.query(`update gateway.requests set model = 'test-echo', body = jsonb_set(body::jsonb, '{model}', '"test-echo"')::json where id = $1`, [long]);
+  await startTestGateway(t, { role: 'worker', databaseUrl: gateway.databaseUrl });
   t.match(await waitForRow(gateway.db, long, isTerminal), { status: 'completed', attempts: 2 });
 });
 
