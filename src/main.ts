@@ -124,7 +124,15 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
           server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);
         }
       }
-      worker = await startWorkerService({ config, pool: workerPool, db: workerDb, metrics, logger, attempts });
+      worker = await startWorkerService({
+        config,
+        pool: workerPool,
+        db: workerDb,
+        metrics,
+        logger,
+        attempts,
+        localAttempts: local !== undefined,
+      });
     }
   } catch (error) {
     await stop().catch(() => {});

@@ -20,7 +20,12 @@ export interface WorkerDeps {
   logger: Logger;
   /** Runs the attempts that process_request jobs name (createAttempts). */
   attempts: Attempts;
+  /** This process runs requests it accepts itself, each with a lease job (LocalAttempts). */
+  localAttempts?: boolean;
 }
+
+/** How long, on average, a fetch that found no job holds the next one back (see below). */
+const REFETCH_DELAY_MS = 100;
 
 /** graphile-worker's options for our task list (supervisor.ts runs and restarts it). */
 export function runnerOptions(deps: WorkerDeps): RunnerOptions {
@@ -39,7 +44,20 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
         failJobBatchDelay: 0,
         // The pool fetches (and locks) jobs in batches for its workers instead of each worker
         // fetching its own: one query and one commit for many jobs.
-        localQueue: { size: deps.config.workerConcurrency },
+        localQueue: {
+          size: deps.config.workerConcurrency,
+          // Every add_jobs announces its jobs (NOTIFY jobs:insert) and the local queue fetches
+          // on each announcement. With local attempts nearly all are lease jobs of this
+          // process's own requests, not due for WORKER_DEAD_AFTER_MS: at 2,000 requests a
+          // second that made a hundred fetches a second that found nothing, each walking the
+          // lease rows deleted since the last vacuum (3 to 4 ms; a third of a core of
+          // Postgres). So a fetch that finds nothing holds the next one back for 0.5 to 1.5
+          // times this delay, unless enough jobs are announced meanwhile (graphile-worker's
+          // refetchDelay); a job queued then waits up to that much longer.
+          ...(deps.localAttempts
+            ? { refetchDelay: { durationMs: Math.min(REFETCH_DELAY_MS, deps.config.workerPollIntervalMs) } }
+            : {}),
+        },
       },
     },
     logger: graphileLogger(deps.logger),
