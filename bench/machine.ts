@@ -50,7 +50,7 @@ export function machineLines(machine: Machine, postgres: ServerDescription, comm
       `load generator, gateway and Postgres all on it`,
     `software: Node ${machine.node}; PostgreSQL ${postgres.version} at ${postgres.where} ` +
       `(fsync ${s.fsync}, synchronous_commit ${s.synchronous_commit}, wal_sync_method ${s.wal_sync_method}, ` +
-      `shared_buffers ${s.shared_buffers}, max_connections ${s.max_connections})`,
+      `shared_buffers ${s.shared_buffers}, max_connections ${s.max_connections}, autovacuum ${s.autovacuum})`,
     `code: ${machine.commit}`,
     `command: ${command}`,
     `before the run: ${busyCores.toFixed(2)} cores busy (over one second), load average ${machine.loadAverage.toFixed(2)}` +

@@ -52,7 +52,7 @@ export async function openServer(databaseUrl: string | undefined, dataDir: strin
     const { rows } = await client.query<{ name: string; setting: string }>(
       `select name, current_setting(name) as setting from pg_settings
        where name in ('server_version', 'fsync', 'synchronous_commit', 'wal_sync_method', 'shared_buffers',
-                      'max_connections', 'commit_delay')`,
+                      'max_connections', 'commit_delay', 'autovacuum')`,
     );
     const settings = Object.fromEntries(rows.map((row) => [row.name, row.setting]));
     const url = new URL(admin);
