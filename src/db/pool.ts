@@ -66,9 +66,9 @@ export const GROUP_PLANNED_FROM = 8;
  *
  * A prepared statement soon settles on one generic plan, made with the tables as they were then.
  * Made while they were nearly empty (a new database, the first minute after start), that plan
- * joins the group to a sequential scan of each table, and keeps it until autovacuum next
- * analyzes them, however much they grow meanwhile (measured under load: a scan of 13,000 rows to
- * update 2). Planning costs Postgres about half a millisecond, which a big group shares; a small
+ * joins the group to a sequential scan of each table, and keeps it until they are next analyzed
+ * (by autovacuum; never, where it is off), however much they grow meanwhile (measured under
+ * load: a scan of 13,000 rows to update 2). Planning costs Postgres about half a millisecond, which a big group shares; a small
  * group (a quiet gateway, a wait=true request alone) keeps the prepared plan, as that half
  * millisecond would cost it more than the scan of a young table.
  */
