@@ -24,7 +24,7 @@ export class KeyCache {
   readonly #ttlMs: number;
   readonly #maxEntries: number;
   // Bumped by every invalidation: a key read from the database before one must not be cached
-  // after it (its NOTIFY may have arrived while the read was under way).
+  // after it (its NOTIFY may have arrived while the read was under way; see read()).
   #generation = 0;
   /** Reads under way, by key hash (hex); an invalidation empties it, so no later miss joins them. */
   readonly #reading = new Map<string, Promise<Auth | undefined>>();
@@ -44,11 +44,6 @@ export class KeyCache {
     return this.#byKeyId.size;
   }
 
-  /** Take before reading a key from the database; pass to set(). */
-  get generation(): number {
-    return this.#generation;
-  }
-
   get(keySha256: Buffer): Auth | undefined {
     if (!this.#listener.listening) return undefined;
     const keyId = this.#keyIdBySha.get(keySha256.toString('hex'));
@@ -61,7 +56,8 @@ export class KeyCache {
     return entry.auth;
   }
 
-  set(keySha256: Buffer, auth: Auth, generation: number): void {
+  /** Caches a key read at `generation`, unless an invalidation came since. */
+  #set(keySha256: Buffer, auth: Auth, generation: number): void {
     if (!this.#listener.listening || generation !== this.#generation) return;
     if (this.#byKeyId.size >= this.#maxEntries) {
       // Maps keep insertion order: drop the oldest.
@@ -89,7 +85,7 @@ export class KeyCache {
     const generation = this.#generation;
     const reading = read()
       .then((auth) => {
-        if (auth) this.set(keySha256, auth, generation);
+        if (auth) this.#set(keySha256, auth, generation);
         return auth;
       })
       .finally(() => {

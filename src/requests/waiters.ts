@@ -37,8 +37,8 @@ export class Waiters {
     listener.subscribe(FINISHED_CHANNEL, {
       notification: (payload) => this.wake(payload.split(',')),
       // Waiters switch to polling, and read their rows again once notifications are back.
-      lost: () => this.#wakeAll(),
-      restored: () => this.#wakeAll(),
+      lost: () => this.#wakeEvery('changed'),
+      restored: () => this.#wakeEvery('changed'),
     });
   }
 
@@ -79,7 +79,7 @@ export class Waiters {
   /** Answers every waiter: they fall back to the acknowledgement. */
   close(): void {
     this.#closed = true;
-    for (const entry of this.#subscribers.values()) wakeEntry(entry, 'closed');
+    this.#wakeEvery('closed');
   }
 
   /** @internal Subscription.close() */
@@ -93,8 +93,8 @@ export class Waiters {
     }
   }
 
-  #wakeAll(): void {
-    for (const entry of this.#subscribers.values()) wakeEntry(entry, 'changed');
+  #wakeEvery(event: WatchEvent): void {
+    for (const entry of this.#subscribers.values()) wakeEntry(entry, event);
   }
 }
 

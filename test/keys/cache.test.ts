@@ -35,12 +35,15 @@ t.test('a key read before an invalidation is not cached after it', async (t) => 
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
   const cache = gateway.keys!;
-  const generation = cache.generation;
+  const sha = hashApiKey(key.api_key);
+  const auth = await authenticate(gateway.db, `Bearer ${key.api_key}`); // read without the cache
+  let finishRead!: () => void;
+  const reading = cache.read(sha, () => new Promise((resolve) => (finishRead = () => resolve(auth))));
   cache.forget('key_someotherkey00000000');
-  const auth = await authenticate(gateway.db, `Bearer ${key.api_key}`);
-  cache.set(hashApiKey(key.api_key), auth, generation);
+  finishRead();
+  t.equal((await reading)?.keyId, key.id);
   t.equal(cache.size, 0, 'the stale read is not kept');
-  cache.set(hashApiKey(key.api_key), auth, cache.generation);
+  await cache.read(sha, async () => auth);
   t.equal(cache.size, 1);
 });
 
