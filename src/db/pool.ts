@@ -1,6 +1,6 @@
 // Connection pools and the kysely instance. Pools are bounded and short-lived connections are
 // the rule: no connection is held while an upstream call is under way.
-import { Kysely, PostgresDialect, type PostgresPool, type PostgresPoolClient, type RawBuilder, sql } from 'kysely';
+import { Kysely, PostgresDialect, type PostgresPool, type PostgresPoolClient } from 'kysely';
 import pg from 'pg';
 import type { Logger } from '../logger.ts';
 import type { Database } from './database.ts';
@@ -49,41 +49,42 @@ export function createDb(pool: pg.Pool): Db {
 
 // Every distinct statement text gets a name, so each connection parses and plans it once and
 // then only binds and executes it: the hot statements (the grouped insert, the lookup, the
-// worker's claim and finish) are the same few texts over and over (but see groupPlanning). The
-// names are bounded in case some statement ever carried its values in its text.
+// worker's claim and finish) are the same few texts over and over. The names are bounded in
+// case some statement ever carried its values in its text.
 const MAX_PREPARED = 500;
 const statementNames = new Map<string, string>();
 
-const PLANNED_EACH_RUN = '/* planned for this run */';
-
-/** Groups of this many rows or more are planned for their run (see groupPlanning). */
-export const GROUP_PLANNED_FROM = 8;
-
 /**
- * What begins the text of a grouped statement, one that takes a group's rows as arrays and
- * joins them to the requests or attempts: for a group of GROUP_PLANNED_FROM rows or more, a mark
- * that has the statement planned for this run instead of prepared.
+ * Named statements a connection runs between two `DISCARD PLANS`.
  *
- * A prepared statement soon settles on one generic plan, made with the tables as they were then.
- * Made while they were nearly empty (a new database, the first minute after start), that plan
- * joins the group to a sequential scan of each table, and keeps it until they are next analyzed
- * (by autovacuum; never, where it is off), however much they grow meanwhile (measured under
- * load: a scan of 13,000 rows to update 2). Planning costs Postgres about half a millisecond, which a big group shares; a small
- * group (a quiet gateway, a wait=true request alone) keeps the prepared plan, as that half
- * millisecond would cost it more than the scan of a young table.
+ * A prepared statement soon settles on one generic plan, made with the tables as they were then,
+ * and Postgres keeps it until the tables are next analyzed: by autovacuum, or never where it is
+ * off. Made while they were nearly empty (a new database, the first seconds after start), that
+ * plan joins a group of rows to a sequential scan of each table, however much the tables grow
+ * (measured under load: a scan of 13,000 rows to update 2). Dropping a connection's plans now and
+ * then has them made again with the tables as they are: once the tables have grown, the new
+ * plans use the indexes, and keep doing so. It costs a round trip and a few plannings per
+ * REPLAN_EVERY statements, where planning every statement would cost half a millisecond each.
  */
-export function groupPlanning(rows: number): RawBuilder<unknown> {
-  return sql.raw(rows >= GROUP_PLANNED_FROM ? PLANNED_EACH_RUN : '');
-}
+export const REPLAN_EVERY = 256;
+const statementsRun = new WeakMap<pg.PoolClient, number>();
 
 function statementName(text: string): string | undefined {
-  if (text.startsWith(PLANNED_EACH_RUN)) return undefined;
   let name = statementNames.get(text);
   if (name === undefined && statementNames.size < MAX_PREPARED) {
     name = `gateway_${statementNames.size}`;
     statementNames.set(text, name);
   }
   return name;
+}
+
+/** Counts a named statement about to run on `client`; every REPLAN_EVERY, drops its plans first. */
+function replanNow(client: pg.PoolClient): void {
+  const run = (statementsRun.get(client) ?? 0) + 1;
+  statementsRun.set(client, run);
+  // Queued before the statement, on the same connection. Allowed inside a transaction; if it
+  // fails, so will the statement after it (the connection is lost), and that one is reported.
+  if (run % REPLAN_EVERY === 0) client.query('discard plans').catch(() => {});
 }
 
 /** The pool as kysely sees it, preparing what it runs. */
@@ -96,7 +97,9 @@ function preparing(pool: pg.Pool): PostgresPool {
       return {
         query: ((text: string, values: readonly unknown[]) => {
           const name = statementName(text);
-          return client.query(name ? { name, text, values: [...values] } : { text, values: [...values] });
+          if (name === undefined) return client.query({ text, values: [...values] });
+          replanNow(client);
+          return client.query({ name, text, values: [...values] });
         }) as unknown as PostgresPoolClient['query'],
         release: (destroy?: boolean) => client.release(destroy),
       };

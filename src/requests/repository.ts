@@ -2,7 +2,7 @@
 // its own transaction) unless it takes a transaction from its caller.
 import { sql } from 'kysely';
 import type { RequestStatus } from '../db/database.ts';
-import { type Db, groupPlanning } from '../db/pool.ts';
+import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { PROCESS_REQUEST } from './jobs.ts';
 
@@ -219,7 +219,7 @@ export interface Claim {
  * for it (finished, gone, or its attempt already started: the caller finds out which).
  */
 export async function claimAttempts(db: Db, claims: readonly Claim[]): Promise<(ClaimedAttempt | undefined)[]> {
-  const { rows } = await sql<{ ord: string } & { [K in keyof ClaimedAttempt]: ClaimedAttempt[K] | null }>`${groupPlanning(claims.length)}
+  const { rows } = await sql<{ ord: string } & { [K in keyof ClaimedAttempt]: ClaimedAttempt[K] | null }>`
     with input as (
       select * from unnest(
         ${claims.map((c) => c.id)}::text[],
@@ -288,7 +288,7 @@ export type Finish = (
 export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promise<boolean[]> {
   const column = <T>(pick: (finish: Finish) => T) => finishes.map(pick);
   const failure = (finish: Finish) => (finish.kind === 'completed' ? undefined : finish);
-  const { rows } = await sql<{ ord: string; applied: boolean }>`${groupPlanning(finishes.length)}
+  const { rows } = await sql<{ ord: string; applied: boolean }>`
     with input as (
       select * from unnest(
         ${column((f) => f.id)}::text[],
