@@ -65,6 +65,8 @@ const statementNames = new Map<string, string>();
  * then has them made again with the tables as they are: once the tables have grown, the new
  * plans use the indexes, and keep doing so. It costs a round trip and a few plannings per
  * REPLAN_EVERY statements, where planning every statement would cost half a millisecond each.
+ * (graphile-worker's add_jobs, which plans its statements itself, is kept on its indexes by
+ * settings on the function instead: db/migrate.ts.)
  */
 export const REPLAN_EVERY = 256;
 const statementsRun = new WeakMap<pg.PoolClient, number>();

@@ -23,10 +23,11 @@ export class KeyCache {
   readonly #listener: Listener;
   readonly #ttlMs: number;
   readonly #maxEntries: number;
-  // Bumped by every invalidation: a key read from the database before one must not be cached
-  // after it (its NOTIFY may have arrived while the read was under way; see read()).
-  #generation = 0;
-  /** Reads under way, by key hash (hex); an invalidation empties it, so no later miss joins them. */
+  /**
+   * Reads under way, by key hash (hex). An invalidation empties it: no later miss joins a read
+   * begun before it, and such a read is not cached (the NOTIFY may have come while it was under
+   * way), as it is no longer here when it ends.
+   */
   readonly #reading = new Map<string, Promise<Auth | undefined>>();
 
   constructor(listener: Listener, options: { ttlMs?: number; maxEntries?: number } = {}) {
@@ -56,9 +57,8 @@ export class KeyCache {
     return entry.auth;
   }
 
-  /** Caches a key read at `generation`, unless an invalidation came since. */
-  #set(keySha256: Buffer, auth: Auth, generation: number): void {
-    if (!this.#listener.listening || generation !== this.#generation) return;
+  #set(keySha256: Buffer, auth: Auth): void {
+    if (!this.#listener.listening) return;
     if (this.#byKeyId.size >= this.#maxEntries) {
       // Maps keep insertion order: drop the oldest.
       const oldest = this.#byKeyId.values().next().value;
@@ -82,10 +82,9 @@ export class KeyCache {
     const sha = keySha256.toString('hex');
     const shared = this.#reading.get(sha);
     if (shared) return shared;
-    const generation = this.#generation;
-    const reading = read()
+    const reading: Promise<Auth | undefined> = read()
       .then((auth) => {
-        if (auth) this.#set(keySha256, auth, generation);
+        if (auth && this.#reading.get(sha) === reading) this.#set(keySha256, auth);
         return auth;
       })
       .finally(() => {
@@ -104,7 +103,6 @@ export class KeyCache {
   }
 
   forget(keyId: string): void {
-    this.#generation++;
     this.#reading.clear();
     const entry = this.#byKeyId.get(keyId);
     if (!entry) return;
@@ -113,7 +111,6 @@ export class KeyCache {
   }
 
   clear(): void {
-    this.#generation++;
     this.#reading.clear();
     this.#byKeyId.clear();
     this.#keyIdBySha.clear();
