@@ -6,6 +6,8 @@ import * as v from 'valibot';
 import { createKeyCommand, listKeysCommand, revokeKeyCommand } from './cli/keys.ts';
 import { requestCommand } from './cli/request.ts';
 import { listRequestsCommand, showRequestCommand, statsCommand } from './cli/requests.ts';
+import { upstreamsCommand } from './cli/upstreams.ts';
+import { usageCommand } from './cli/usage.ts';
 import { CommandError } from './cli/output.ts';
 import { isClusterChild, shareMetricsWithPrimary, startCluster } from './cluster.ts';
 import { loadConfig, type Config, ConfigError } from './config.ts';
@@ -33,12 +35,26 @@ const USAGE = `Usage: gateway <command>
   requests list [--status <s>] [--project <name>] [--mode live|test] [--limit <n>] [--json]
                                requests, newest first (20 by default)
   stats [--json]               requests by status, the queue, the last hour's errors, worker pools
+  upstreams [--json]           the upstreams of UPSTREAMS_FILE, and each lane's requests and limits
+  usage [--project <name>] [--since <YYYY-MM-DD>] [--json]
+                               completed requests and tokens per day, project, mode, upstream, model
   request <METHOD> <path> [body | - | @file] [--verbose]
                                one signed call to a running gateway, with the key and secret in
                                GATEWAY_API_KEY and GATEWAY_SIGNING_SECRET (GATEWAY_BASE_URL:
                                http://localhost:8080); --verbose shows what is signed
 
 Settings are environment variables; see README.md.`;
+
+const Day = v.pipe(
+  v.string(),
+  v.regex(/^\d{4}-\d{2}-\d{2}$/, '--since must be a day, YYYY-MM-DD'),
+  v.check(isDay, '--since must be a day, YYYY-MM-DD'),
+);
+
+function isDay(text: string): boolean {
+  const date = new Date(`${text}T00:00:00Z`);
+  return !Number.isNaN(date.getTime()) && date.toISOString().startsWith(text);
+}
 
 class UsageError extends Error {
   override name = 'UsageError';
@@ -67,6 +83,25 @@ async function main(argv: string[]): Promise<void> {
     case 'stats': {
       const { values } = parse(rest, { json: { type: 'boolean', default: false } });
       return adminCommand(config, (db) => statsCommand(db, { json: values.json! }));
+    }
+    case 'upstreams': {
+      const { values } = parse(rest, { json: { type: 'boolean', default: false } });
+      return adminCommand(config, (db) => upstreamsCommand(db, config.upstreams, { json: values.json! }));
+    }
+    case 'usage': {
+      const { values } = parse(rest, {
+        project: { type: 'string' },
+        since: { type: 'string' },
+        json: { type: 'boolean', default: false },
+      });
+      const since = values.since === undefined ? undefined : v.parse(Day, values.since);
+      return adminCommand(config, (db) =>
+        usageCommand(db, {
+          json: values.json!,
+          ...(values.project ? { project: values.project } : {}),
+          ...(since ? { since } : {}),
+        }),
+      );
     }
     case undefined:
     case 'help':

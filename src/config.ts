@@ -2,6 +2,16 @@
 // result is frozen and passed down as a value. A bad setting stops the process at start-up
 // with a message naming every variable at fault.
 import * as v from 'valibot';
+import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream } from './lanes/upstreams.ts';
+
+/**
+ * What one upstream call in flight costs a worker process in resident memory, measured with a
+ * loopback upstream (BENCHMARKS.md): its socket, buffers, the request and the timer. The default
+ * in-flight capacity is the memory budget divided by this.
+ */
+export const MEMORY_PER_CALL_KB = 32;
+/** The longest a test-delay-<ms> model may ask for, whatever UPSTREAM_TIMEOUT_MS says. */
+const TEST_DELAY_CEILING_MS = 600_000;
 
 const integer = (name: string, fallback: number, min: number, max = Number.MAX_SAFE_INTEGER) =>
   v.optional(
@@ -62,13 +72,20 @@ const Environment = v.object({
   ),
   UPSTREAM_API_KEY: optionalText,
   UPSTREAM_TIMEOUT_MS: integer('UPSTREAM_TIMEOUT_MS', 120_000, 1),
+  UPSTREAMS_FILE: optionalText,
+  UPSTREAM_MEMORY_MB: integer('UPSTREAM_MEMORY_MB', 512, 1, 1_000_000),
+  MAX_IN_FLIGHT: optionalInteger('MAX_IN_FLIGHT', 1),
+  TEST_MAX_IN_FLIGHT: integer('TEST_MAX_IN_FLIGHT', 1_000, 1, 1_000_000),
+
+  RATE_LIMIT_RPS: optionalInteger('RATE_LIMIT_RPS', 1),
+  LOOKUP_RATE_LIMIT_RPS: optionalInteger('LOOKUP_RATE_LIMIT_RPS', 1),
+  MAX_UNFINISHED_PER_PROJECT: optionalInteger('MAX_UNFINISHED_PER_PROJECT', 1),
 
   MAX_ATTEMPTS: integer('MAX_ATTEMPTS', 5, 1, 100),
   RETRY_BASE_MS: integer('RETRY_BASE_MS', 1_000, 0),
   RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0),
 
   WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 100, 1, 10_000),
-  LOCAL_ATTEMPTS: integer('LOCAL_ATTEMPTS', 250, 0, 10_000),
   WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10),
   RETENTION_DAYS: integer('RETENTION_DAYS', 30, 1, 36_500),
   BODY_RETENTION_HOURS: optionalInteger('BODY_RETENTION_HOURS', 1),
@@ -103,9 +120,21 @@ export interface Config {
   /** When set, GET /metrics requires "Authorization: Bearer <token>". */
   readonly metricsToken: string | undefined;
 
-  readonly upstreamBaseUrl: string;
-  readonly upstreamApiKey: string | undefined;
+  /** Where live requests go: UPSTREAMS_FILE's upstreams, or one built from UPSTREAM_BASE_URL and UPSTREAM_API_KEY. */
+  readonly upstreams: readonly Upstream[];
   readonly upstreamTimeoutMs: number;
+  /** Live upstream calls a worker process keeps in flight at most: MAX_IN_FLIGHT, or UPSTREAM_MEMORY_MB's worth. */
+  readonly maxInFlight: number;
+  /** Test-mode (simulated) calls a worker process keeps in flight at most, apart from the live ones. */
+  readonly testMaxInFlight: number;
+  /** The longest test-delay-<ms> accepted: UPSTREAM_TIMEOUT_MS, at most 600000. */
+  readonly testDelayMaxMs: number;
+
+  /** Intake limits per API key (undefined: none): submissions per second (burst twice that), and lookups. */
+  readonly rateLimitRps: number | undefined;
+  readonly lookupRateLimitRps: number | undefined;
+  /** Requests of a project and mode not yet finished, at most (undefined: no limit). */
+  readonly maxUnfinishedPerProject: number | undefined;
 
   readonly maxAttempts: number;
   /** Full-jitter exponential backoff: attempt n waits a random time in [0, min(max, base * 2^(n-1))]. */
@@ -117,12 +146,8 @@ export interface Config {
   /** When set, finished requests' bodies are dropped after this many hours. */
   readonly bodyRetentionHours: number | undefined;
 
+  /** graphile-worker jobs a worker process runs at once: dispatches and periodic tasks, all short. */
   readonly workerConcurrency: number;
-  /**
-   * Requests that a process running both the API and a worker runs itself at once, without the
-   * queue's hops (worker/local-attempts.ts); beyond that, and with 0, requests take the queue.
-   */
-  readonly localAttempts: number;
   readonly workerPollIntervalMs: number;
   /** A worker pool not heard from for this long is presumed dead and its jobs released. */
   readonly workerDeadAfterMs: number;
@@ -164,16 +189,20 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     signatures: e.SIGNATURES,
     secretEncryptionKey: parseEncryptionKey(e.SECRET_ENCRYPTION_KEY),
     metricsToken: e.METRICS_TOKEN,
-    upstreamBaseUrl: e.UPSTREAM_BASE_URL,
-    upstreamApiKey: e.UPSTREAM_API_KEY,
+    upstreams: loadUpstreams(e.UPSTREAMS_FILE, env, e.UPSTREAM_BASE_URL, e.UPSTREAM_API_KEY),
     upstreamTimeoutMs: e.UPSTREAM_TIMEOUT_MS,
+    maxInFlight: e.MAX_IN_FLIGHT ?? Math.floor((e.UPSTREAM_MEMORY_MB * 1024) / MEMORY_PER_CALL_KB),
+    testMaxInFlight: e.TEST_MAX_IN_FLIGHT,
+    testDelayMaxMs: Math.min(e.UPSTREAM_TIMEOUT_MS, TEST_DELAY_CEILING_MS),
+    rateLimitRps: e.RATE_LIMIT_RPS,
+    lookupRateLimitRps: e.LOOKUP_RATE_LIMIT_RPS ?? (e.RATE_LIMIT_RPS === undefined ? undefined : 10 * e.RATE_LIMIT_RPS),
+    maxUnfinishedPerProject: e.MAX_UNFINISHED_PER_PROJECT,
     maxAttempts: e.MAX_ATTEMPTS,
     retryBaseMs: e.RETRY_BASE_MS,
     retryMaxMs: Math.max(e.RETRY_MAX_MS, e.RETRY_BASE_MS),
     retentionDays: e.RETENTION_DAYS,
     bodyRetentionHours: e.BODY_RETENTION_HOURS,
     workerConcurrency: e.WORKER_CONCURRENCY,
-    localAttempts: e.LOCAL_ATTEMPTS,
     workerPollIntervalMs: e.WORKER_POLL_INTERVAL_MS,
     workerDeadAfterMs: e.WORKER_DEAD_AFTER_MS,
     shutdownGraceMs: e.SHUTDOWN_GRACE_MS,
@@ -187,6 +216,21 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     dataDir: e.DATA_DIR,
     embeddedPostgresPort: e.EMBEDDED_POSTGRES_PORT,
   });
+}
+
+function loadUpstreams(
+  file: string | undefined,
+  env: Record<string, string | undefined>,
+  baseUrl: string,
+  apiKey: string | undefined,
+): readonly Upstream[] {
+  if (file === undefined) return [defaultUpstream(baseUrl, apiKey)];
+  try {
+    return loadUpstreamsFile(file, env);
+  } catch (error) {
+    if (error instanceof UpstreamsFileError) throw new ConfigError(`Invalid settings:\n  UPSTREAMS_FILE: ${error.message}`);
+    throw error;
+  }
 }
 
 function parseEncryptionKey(value: string | undefined): Buffer | undefined {

@@ -78,6 +78,10 @@ export const idempotencyKeyReused = () =>
     { param: 'idempotency_key' },
   );
 
+/** An intake limit (CONTRACT.md section 10) refuses the request; `message` says which. */
+export const rateLimitExceeded = (retryAfterSeconds: number, message: string) =>
+  new ApiError(429, 'rate_limit_error', 'rate_limit_exceeded', message, { retryAfter: retryAfterSeconds });
+
 export const internalError = () =>
   new ApiError(500, 'api_error', 'internal_error', 'The server failed to handle the request.');
 

@@ -15,8 +15,10 @@ import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
 import { Waiters } from './requests/waiters.ts';
-import { LocalAttempts } from './worker/local-attempts.ts';
-import { createAttempts, type Attempts } from './worker/process-request.ts';
+import { LaneRouter } from './lanes/routing.ts';
+import { intakeLimitsFor, type IntakeLimits } from './requests/intake.ts';
+import { createAttempts, type Attempts } from './worker/attempts.ts';
+import { Dispatcher } from './worker/dispatcher.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 
 export type Role = 'all' | 'api' | 'worker';
@@ -53,12 +55,12 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   let keys: KeyCache | undefined;
   let server: http.Server | undefined;
   let worker: WorkerService | undefined;
-  let local: LocalAttempts | undefined;
+  let intake: IntakeLimits | undefined;
   const metrics = new Metrics();
 
   const stop = async () => {
-    // Running attempts, local ones and the queue's, get SHUTDOWN_GRACE_MS while the server closes.
-    const attemptsStopped = Promise.all([local?.stop(), worker?.stop()]);
+    // Calls in flight get SHUTDOWN_GRACE_MS while the server closes.
+    const attemptsStopped = worker?.stop();
     if (server) {
       const closed = closeServer(server);
       // Waiting wait=true requests are answered now with their acknowledgement, rather than
@@ -68,16 +70,18 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     }
     waiters?.close();
     await attemptsStopped;
+    await intake?.stop();
     await listener?.close();
     await workerPool?.end();
     await apiPool?.end();
   };
 
   try {
-    // The worker's side first (it opens no connection yet): the API of the same process runs
-    // requests on it (local attempts).
+    // The worker's side first (it opens no connection yet): the API of the same process
+    // dispatches the requests it accepts on it.
     let workerDb: Db | undefined;
     let attempts: Attempts | undefined;
+    let dispatcher: Dispatcher | undefined;
     if (role !== 'api') {
       workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
       workerDb = createDb(workerPool);
@@ -90,17 +94,16 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
         onFinished: (id) => waiters?.wake([id]),
       });
-      if (role === 'all' && config.localAttempts > 0) {
-        local = new LocalAttempts({
-          attempts,
-          db: workerDb,
-          logger,
-          capacity: config.localAttempts,
-          leaseMs: config.workerDeadAfterMs,
-          graceMs: config.shutdownGraceMs,
-        });
-        metrics.watchLocalAttempts(local);
-      }
+      dispatcher = new Dispatcher({
+        db: workerDb,
+        attempts,
+        upstreams: config.upstreams,
+        capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
+        upstreamTimeoutMs: config.upstreamTimeoutMs,
+        graceMs: config.shutdownGraceMs,
+        logger,
+      });
+      metrics.watchDispatcher(dispatcher);
     }
     if (role !== 'worker') {
       apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
@@ -113,10 +116,29 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       metrics.watchPool('api', apiPool);
       metrics.watchWaiters(waiters);
       metrics.watchQueue(db);
-      const app = createApp({ config, pool: apiPool, db, waiters, keys, metrics, logger, local });
+      const lanes = new LaneRouter(db, config);
+      intake = intakeLimitsFor(db, config, {
+        logger,
+        onRefused: (mode, limit) => metrics.intakeRefused.inc({ mode, limit }),
+      });
+      intake?.start();
+      // A worker in this process dispatches the requests this API accepts, without a queue hop.
+      const dispatching = dispatcher;
+      const app = createApp({
+        config,
+        pool: apiPool,
+        db,
+        waiters,
+        keys,
+        metrics,
+        logger,
+        lanes,
+        intake,
+        ...(dispatching ? { onStored: (laneId: string) => dispatching.poke(laneId) } : {}),
+      });
       server = await listen(app.callback(), config);
     }
-    if (workerPool && workerDb && attempts) {
+    if (workerPool && workerDb && attempts && dispatcher) {
       if (role === 'worker') {
         await assertSchemaCurrent(workerPool);
         metrics.watchQueue(workerDb);
@@ -131,7 +153,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         metrics,
         logger,
         attempts,
-        localAttempts: local !== undefined,
+        dispatcher,
       });
     }
   } catch (error) {

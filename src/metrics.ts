@@ -4,7 +4,9 @@ import client from 'prom-client';
 import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Db } from './db/pool.ts';
+import { SIMULATOR } from './lanes/upstreams.ts';
 import type { Waiters } from './requests/waiters.ts';
+import type { Usage } from './upstream/outcome.ts';
 
 const PREFIX = 'gateway_';
 
@@ -55,6 +57,20 @@ export class Metrics {
     registers: [this.registry],
   });
 
+  readonly tokens = new client.Counter({
+    name: `${PREFIX}tokens_total`,
+    help: 'Tokens of completed requests (their usage), by mode, upstream, model (as configured: a name or a pattern) and kind (prompt, completion).',
+    labelNames: ['mode', 'upstream', 'model', 'kind'] as const,
+    registers: [this.registry],
+  });
+
+  readonly intakeRefused = new client.Counter({
+    name: `${PREFIX}intake_refused_total`,
+    help: 'Requests refused with 429 by the intake limits, by mode and limit (rate, lookup_rate, unfinished).',
+    labelNames: ['mode', 'limit'] as const,
+    registers: [this.registry],
+  });
+
   readonly #pools = new Map<string, pg.Pool>();
 
   constructor() {
@@ -80,9 +96,24 @@ export class Metrics {
     this.#sizeGauge('waiters', 'wait=true requests currently held open by this process.', waiters);
   }
 
-  /** gateway_local_attempts: requests this process is running itself (LOCAL_ATTEMPTS). */
-  watchLocalAttempts(local: { readonly size: number }): void {
-    this.#sizeGauge('local_attempts', 'Attempts run by the process that accepted their requests (at most LOCAL_ATTEMPTS).', local);
+  /** gateway_upstream_calls_in_flight{mode}: calls this worker process has under way (MAX_IN_FLIGHT, TEST_MAX_IN_FLIGHT). */
+  watchDispatcher(dispatcher: { inFlight(mode: 'live' | 'test'): number }): void {
+    new client.Gauge({
+      name: `${PREFIX}upstream_calls_in_flight`,
+      help: 'Upstream calls (simulated in test mode) this worker process has under way, by mode.',
+      labelNames: ['mode'] as const,
+      registers: [this.registry],
+      collect() {
+        for (const mode of ['live', 'test'] as const) this.set({ mode }, dispatcher.inFlight(mode));
+      },
+    });
+  }
+
+  /** Counts a completion's usage (gateway_tokens_total). */
+  countTokens(target: { mode: string; upstream: { name: string } | undefined; modelLabel: string }, usage: Usage): void {
+    const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
+    if (usage.prompt !== null) this.tokens.inc({ ...labels, kind: 'prompt' }, usage.prompt);
+    if (usage.completion !== null) this.tokens.inc({ ...labels, kind: 'completion' }, usage.completion);
   }
 
   /** A gauge read from `source.size` at each scrape. */

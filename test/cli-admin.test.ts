@@ -54,10 +54,14 @@ t.test('requests show, requests list and stats', async (t) => {
   );
   t.equal(stats.waiting.requests, 0);
   t.ok(stats.errors_last_hour.some((row: { error_code: string }) => row.error_code === 'upstream_bad_request'));
-  t.equal(stats.worker_pools.length, 1, 'the running worker pool');
+  t.same(
+    stats.worker_pools.map((row: { kind: string }) => row.kind),
+    ['worker', 'pool'],
+    'the running worker process and its graphile-worker pool',
+  );
   const table = await run('stats');
   t.match(table, /Requests by project, mode and status/);
-  t.match(table, /Worker pools/);
+  t.match(table, /Workers \(each process, and its graphile-worker pool\)/);
 
   await t.rejects(run('requests', 'show', 'req_00000000000000000000'), /No request with id/);
   await t.rejects(run('requests', 'list', '--status', 'done'), /--status must be/);

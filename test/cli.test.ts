@@ -68,6 +68,8 @@ t.test('migrate builds the schema, twice at once, and again with nothing left to
     tables.rows.filter((row) => row.name.startsWith('gateway.')).map((row) => row.name),
     [
       'gateway.api_keys',
+      'gateway.intake_counters',
+      'gateway.lanes',
       'gateway.migrations',
       'gateway.projects',
       'gateway.request_attempts',

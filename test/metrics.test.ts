@@ -60,7 +60,10 @@ t.test('each metric family counts what happened', async (t) => {
   t.equal(value('gateway_upstream_duration_seconds_count{mode="live",outcome="succeeded"}'), 1);
   t.equal(value('gateway_insert_group_size_sum'), 5, 'five requests written (the replay among them)');
   t.equal(value('gateway_waiters'), 0);
-  t.equal(m.get('gateway_local_attempts'), 0, 'local attempts: none left running');
+  t.equal(m.get('gateway_upstream_calls_in_flight{mode="test"}'), 0, 'no call left in flight');
+  t.equal(m.get('gateway_upstream_calls_in_flight{mode="live"}'), 0);
+  t.equal(value('gateway_tokens_total{mode="live",upstream="default",model="*",kind="prompt"}'), 3, 'tokens of the completion, by mode, upstream and model');
+  t.equal(value('gateway_tokens_total{mode="live",upstream="default",model="*",kind="completion"}'), 3);
   t.ok(m.has('gateway_db_pool_connections{pool="api",state="idle"}'));
   t.ok(m.has('gateway_db_pool_connections{pool="worker",state="in_use"}'));
   t.equal(value('gateway_requests{status="queued",mode="test"}'), 0, 'nothing left in the queue');

@@ -69,9 +69,9 @@ export async function statsCommand(db: Db, options: { json: boolean }): Promise<
       ? '  (none)'
       : table(state.errors_last_hour, ['error_code', 'mode', 'failed_attempts', 'requests', 'last_seen_at']),
     '',
-    'Worker pools',
+    'Workers (each process, and its graphile-worker pool)',
     state.worker_pools.length === 0
       ? '  (none running)'
-      : table(state.worker_pools, ['id', 'hostname', 'pid', 'started_at', 'last_seen_at']),
+      : table(state.worker_pools, ['id', 'kind', 'hostname', 'pid', 'started_at', 'last_seen_at']),
   ].join('\n');
 }

@@ -17,6 +17,8 @@ export interface Database {
   request_attempts: RequestAttemptsTable;
   signature_nonces: SignatureNoncesTable;
   worker_pools: WorkerPoolsTable;
+  lanes: LanesTable;
+  intake_counters: IntakeCountersTable;
 }
 
 export interface MigrationsTable {
@@ -60,6 +62,12 @@ export interface RequestsTable {
   updated_at: Timestamp;
   next_attempt_at: NullableTimestamp;
   finished_at: NullableTimestamp;
+  /** int8 (a string); null only for requests finished before lanes existed. */
+  lane_id: string | null;
+  prompt_tokens_estimate: number | null;
+  prompt_tokens: number | null;
+  completion_tokens: number | null;
+  total_tokens: number | null;
 }
 
 export interface RequestAttemptsTable {
@@ -87,4 +95,31 @@ export interface WorkerPoolsTable {
   pid: number;
   started_at: CreatedAt;
   last_seen_at: Timestamp;
+}
+
+export interface LanesTable {
+  /** int8, which node-postgres returns as a string. */
+  id: Generated<string>;
+  mode: KeyMode;
+  upstream: string;
+  model: string;
+  max_concurrent: number | null;
+  requests_per_minute: number | null;
+  tokens_per_minute: number | null;
+  request_allowance: number | null;
+  token_allowance: number | null;
+  refilled_at: NullableTimestamp;
+  paused_until: NullableTimestamp;
+  wake_at: NullableTimestamp;
+  last_project_id: string | null;
+  created_at: CreatedAt;
+}
+
+export interface IntakeCountersTable {
+  api_key_id: string;
+  kind: 'submit' | 'lookup';
+  process_id: string;
+  /** int8, as a string. */
+  admitted: ColumnType<string, string | number, string | number>;
+  updated_at: Timestamp;
 }

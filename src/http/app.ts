@@ -16,7 +16,8 @@ import { errorSummary } from '../db/pool.ts';
 import { InsertBatcher } from '../requests/insert-batcher.ts';
 import { findRequests } from '../requests/repository.ts';
 import type { Waiters } from '../requests/waiters.ts';
-import type { LocalAttempts } from '../worker/local-attempts.ts';
+import type { LaneRouter } from '../lanes/routing.ts';
+import type { Intake } from '../requests/intake.ts';
 import { authenticate } from './auth.ts';
 import { readBody } from './body.ts';
 import type { GatewayContext, GatewayState, Reply, Step } from './context.ts';
@@ -38,8 +39,10 @@ export interface AppDeps extends OpsDeps {
   db: Db;
   waiters: Waiters;
   keys: KeyCache;
-  /** Runs requests in this process (role all); undefined: all take the queue. */
-  local?: LocalAttempts | undefined;
+  lanes: LaneRouter;
+  intake?: Intake | undefined;
+  /** Told the lane of each request stored (role all: this process's worker dispatches it at once). */
+  onStored?: ((laneId: string) => void) | undefined;
 }
 
 export function createApp(deps: AppDeps): Koa<GatewayState> {
@@ -54,7 +57,9 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
     waiters: deps.waiters,
     metrics: deps.metrics,
     config: deps.config,
-    local: deps.local,
+    lanes: deps.lanes,
+    intake: deps.intake,
+    onStored: deps.onStored,
   };
   const signed = verifyRequestSignature(deps.config, deps.keys);
   const authenticated = authenticate(deps.db, deps.keys);

@@ -4,12 +4,11 @@
 // acknowledged. A nonce repeated within one group is a replay: only its first use is written.
 import { Batcher, writeFirsts } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
-import { insertRequests, type InsertResult, type Lease, type NewRequest, type Nonce } from './repository.ts';
+import { insertRequests, type InsertResult, type NewRequest, type Nonce } from './repository.ts';
 
 interface Item {
   request: NewRequest;
   nonce: Nonce | undefined;
-  lease: Lease | undefined;
 }
 
 export interface InsertBatcherOptions {
@@ -34,8 +33,8 @@ export class InsertBatcher {
     return { statements: this.#batcher.stats.statements, requests: this.#batcher.stats.items };
   }
 
-  insert(request: NewRequest, nonce: Nonce | undefined, lease?: Lease): Promise<InsertResult> {
-    return this.#batcher.submit({ request, nonce, lease });
+  insert(request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
+    return this.#batcher.submit({ request, nonce });
   }
 }
 

@@ -89,8 +89,9 @@ export async function stats(db: Db) {
     sql<{ error_code: string; mode: KeyMode; failed_attempts: string; requests: string; last_seen_at: Date }>`
       select * from gateway.recent_errors
     `.execute(db),
-    sql<{ id: string; hostname: string; pid: number; started_at: Date; last_seen_at: Date }>`
-      select id, hostname, pid, started_at, last_seen_at from gateway.worker_pools order by started_at
+    sql<{ id: string; kind: string; hostname: string; pid: number; started_at: Date; last_seen_at: Date }>`
+      select id, case when id like 'pool-%' then 'pool' else 'worker' end as kind, hostname, pid, started_at, last_seen_at
+      from gateway.worker_pools order by hostname, pid, kind desc
     `.execute(db),
   ]);
   return {
@@ -106,4 +107,40 @@ export async function stats(db: Db) {
     })),
     worker_pools: pools.rows,
   };
+}
+
+export interface UsageRow {
+  /** YYYY-MM-DD, UTC. */
+  day: string;
+  project: string;
+  mode: KeyMode;
+  upstream: string;
+  model: string;
+  requests: number;
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+}
+
+/** gateway.usage_daily, oldest day first; `since` is a day (YYYY-MM-DD), counted in. */
+export async function usageDaily(db: Db, filter: { project?: string; since?: string }): Promise<UsageRow[]> {
+  const { rows } = await sql<Record<keyof UsageRow, string>>`
+    select to_char(day, 'YYYY-MM-DD') as day, project, mode, upstream, model, requests, prompt_tokens,
+           completion_tokens, total_tokens
+    from gateway.usage_daily
+    where (${filter.project ?? null}::text is null or project = ${filter.project ?? null})
+      and (${filter.since ?? null}::date is null or day >= ${filter.since ?? null}::date)
+    order by day, project, mode, upstream, model
+  `.execute(db);
+  return rows.map((row) => ({
+    day: row.day,
+    project: row.project,
+    mode: row.mode as KeyMode,
+    upstream: row.upstream,
+    model: row.model,
+    requests: Number(row.requests),
+    prompt_tokens: Number(row.prompt_tokens),
+    completion_tokens: Number(row.completion_tokens),
+    total_tokens: Number(row.total_tokens),
+  }));
 }

@@ -4,7 +4,8 @@ import { sql } from 'kysely';
 import type { RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
-import { PROCESS_REQUEST } from './jobs.ts';
+import type { Usage } from '../upstream/outcome.ts';
+import { DISPATCH_LANE } from '../lanes/jobs.ts';
 
 export interface NewRequest {
   id: string;
@@ -15,6 +16,10 @@ export interface NewRequest {
   body: string;
   body_sha256: Buffer;
   idempotency_key: string | null;
+  /** The lane it was routed to (lanes/routing.ts). */
+  lane_id: string;
+  /** Prompt tokens estimated, for a lane with tokens_per_minute. */
+  prompt_tokens_estimate: number | null;
 }
 
 /** What a submission is answered with: enough for the acknowledgement and the 200. */
@@ -43,23 +48,8 @@ export interface Nonce {
   expires_at: Date;
 }
 
-/**
- * A request that the accepting process runs itself (a worker in the same process): stored with
- * its first attempt already started by `workerId` (wait=true) or queued for that process to
- * claim next (wait=false), and its job is a lease,
- * due only `leaseMs` from now. If the process dies, the job comes due and a worker recovers
- * the attempt as worker_lost; while the attempt runs, the process pushes the job back
- * (worker/local-attempts.ts); its outcome removes the job.
- */
-export interface Lease {
-  workerId: string;
-  leaseMs: number;
-  /** true: stored processing, its first attempt started; false: stored queued, claimed next. */
-  started: boolean;
-}
-
 export type InsertResult =
-  | { kind: 'inserted'; answer: RequestAnswer; leaseJobId?: string }
+  | { kind: 'inserted'; answer: RequestAnswer }
   /** The nonce was already used by this key: nothing was stored. */
   | { kind: 'replayed_nonce' }
   /** The idempotency key is taken in this project and mode: only the nonce was stored. */
@@ -67,16 +57,15 @@ export type InsertResult =
 
 /**
  * Stores a group of requests in one statement, and so one commit: the nonces of those that
- * were signed, the requests whose nonce was new (or that had none), and one add_jobs call for
- * all their first jobs (graphile-worker's NOTIFY, taken once per commit, is what limits
- * one-request transactions). A nonce and its request are stored together or not at all.
- * An item with a lease has the lease as its job; if started, it is stored as processing, with
- * its attempt row.
- * Returns one result per item, in order.
+ * were signed, and the requests whose nonce was new (or that had none), each queued in its lane.
+ * One add_jobs call wakes each lane of the group (graphile-worker's NOTIFY, taken once per
+ * commit, is what limits one-request transactions), unless the lane waits for its limits anyway
+ * and has its dispatch scheduled (lanes.wake_at). A nonce and its request are stored together or
+ * not at all. Returns one result per item, in order.
  */
 export async function insertRequests(
   db: Db,
-  items: readonly { request: NewRequest; nonce: Nonce | undefined; lease?: Lease | undefined }[],
+  items: readonly { request: NewRequest; nonce: Nonce | undefined }[],
 ): Promise<InsertResult[]> {
   const column = <T>(pick: (item: (typeof items)[number]) => T) => items.map(pick);
   const { rows } = await sql<{
@@ -85,7 +74,6 @@ export async function insertRequests(
     id: string | null;
     status: RequestStatus | null;
     created_at: Date | null;
-    lease_job_id: string | null;
   }>`
     with input as (
       select * from unnest(
@@ -97,13 +85,12 @@ export async function insertRequests(
         ${column((i) => i.request.body)}::text[],
         ${column((i) => i.request.body_sha256)}::bytea[],
         ${column((i) => i.request.idempotency_key)}::text[],
+        ${column((i) => i.request.lane_id)}::bigint[],
+        ${column((i) => i.request.prompt_tokens_estimate)}::int[],
         ${column((i) => i.nonce?.nonce ?? null)}::text[],
-        ${column((i) => i.nonce?.expires_at ?? null)}::timestamptz[],
-        ${column((i) => i.lease?.workerId ?? null)}::text[],
-        ${column((i) => i.lease?.leaseMs ?? null)}::float8[],
-        ${column((i) => i.lease?.started ?? false)}::boolean[]
+        ${column((i) => i.nonce?.expires_at ?? null)}::timestamptz[]
       ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
-                              nonce, nonce_expires_at, lease_worker_id, lease_ms, started, ord)
+                              lane_id, prompt_tokens_estimate, nonce, nonce_expires_at, ord)
     ), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
       select api_key_id, nonce, nonce_expires_at from input where nonce is not null
@@ -115,36 +102,30 @@ export async function insertRequests(
          or exists (select from nonces where nonces.api_key_id = input.api_key_id and nonces.nonce = input.nonce)
     ), inserted as (
       insert into gateway.requests
-        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, status, attempts)
-      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key,
-             case when started then 'processing' else 'queued' end,
-             case when started then 1 else 0 end
+        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, lane_id,
+         prompt_tokens_estimate, next_attempt_at)
+      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key, lane_id,
+             prompt_tokens_estimate, now()
       from accepted
       on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
-      returning id, status, created_at
-    ), started as (
-      insert into gateway.request_attempts (request_id, attempt_number, worker_id)
-      select id, 1, accepted.lease_worker_id
-      from inserted join accepted using (id)
-      where accepted.started
+      returning id, status, created_at, lane_id
+    ), woken as (
+      select distinct inserted.lane_id from inserted
+      where not exists (select from gateway.lanes where lanes.id = inserted.lane_id and lanes.wake_at > now())
     ), jobs as (
-      select jobs.id as job_id, jobs.payload->>'request_id' as request_id
+      select count(*) as jobs
       from graphile_worker.add_jobs(array(
-        select row(${PROCESS_REQUEST}, json_build_object('request_id', id, 'attempt', 1),
-                   null, now() + accepted.lease_ms * interval '1 millisecond',
-                   null, null, null, null)::graphile_worker.job_spec
-        from inserted join accepted using (id)
-      )) as jobs
-      where exists (select from inserted)
+        select row(${DISPATCH_LANE}, json_build_object('lane_id', lane_id), null, null, null, null, null, null)::graphile_worker.job_spec
+        from woken
+      ))
+      where exists (select from woken)
     )
-    -- Every inserted row is joined to its job, so add_jobs runs (once, for all) whenever one is.
-    select input.ord, accepted.id is not null as nonce_accepted,
-           inserted.id, inserted.status, inserted.created_at,
-           case when input.lease_worker_id is not null then jobs.job_id end as lease_job_id
+    -- Joined to the jobs, so that add_jobs runs (once, for all) whenever a lane is to be woken.
+    select input.ord, accepted.id is not null as nonce_accepted, inserted.id, inserted.status, inserted.created_at
     from input
+    cross join jobs
     left join accepted on accepted.ord = input.ord
     left join inserted on inserted.id = input.id
-    left join jobs on jobs.request_id = inserted.id
     order by input.ord
   `.execute(db);
   return rows.map((row, index): InsertResult => {
@@ -159,7 +140,6 @@ export async function insertRequests(
         result: null,
         body_sha256: items[index]!.request.body_sha256,
       },
-      ...(row.lease_job_id === null ? {} : { leaseJobId: row.lease_job_id }),
     };
   });
 }
@@ -195,67 +175,8 @@ export async function findRequests(db: Db, ids: readonly string[]): Promise<(Req
 }
 
 // ---------------------------------------------------------------------------------------------
-// The worker's side: claiming an attempt and recording how it ended.
-
-export interface ClaimedAttempt {
-  id: string;
-  mode: KeyMode;
-  /** JSON text of the upstream body. */
-  body: string;
-  attempt: number;
-}
-
-export interface Claim {
-  id: string;
-  /** The attempt the job is meant to start (1 for the first). */
-  attempt: number;
-  workerId: string | null;
-}
-
-/**
- * Starts attempts, a group at a time: each request that is waiting for exactly that attempt
- * (queued or retrying, with attempt - 1 attempts made) becomes processing and gets its attempt
- * row. Returns, per claim, the attempt to run, or undefined when the request was not waiting
- * for it (finished, gone, or its attempt already started: the caller finds out which).
- */
-export async function claimAttempts(db: Db, claims: readonly Claim[]): Promise<(ClaimedAttempt | undefined)[]> {
-  const { rows } = await sql<{ ord: string } & { [K in keyof ClaimedAttempt]: ClaimedAttempt[K] | null }>`
-    with input as (
-      select * from unnest(
-        ${claims.map((c) => c.id)}::text[],
-        ${claims.map((c) => c.attempt)}::int[],
-        ${claims.map((c) => c.workerId)}::text[]
-      ) with ordinality as t(id, attempt, worker_id, ord)
-    ), claimed as (
-      update gateway.requests
-      set status = 'processing', attempts = requests.attempts + 1, next_attempt_at = null, updated_at = now()
-      from input
-      where requests.id = input.id and requests.attempts = input.attempt - 1
-        and requests.status in ('queued', 'retrying')
-      returning requests.id, requests.mode, requests.body::text as body, requests.attempts as attempt, input.worker_id
-    ), recorded as (
-      insert into gateway.request_attempts (request_id, attempt_number, worker_id)
-      select id, attempt, worker_id from claimed
-    )
-    select input.ord, claimed.id, claimed.mode, claimed.body, claimed.attempt
-    from input
-    left join claimed on claimed.id = input.id
-    order by input.ord
-  `.execute(db);
-  return rows.map((row) => (row.id === null ? undefined : (row as ClaimedAttempt)));
-}
-
-/** One claim; see claimAttempts. */
-export async function claimAttempt(db: Db, id: string, attempt: number, workerId: string | null) {
-  return (await claimAttempts(db, [{ id, attempt, workerId }]))[0];
-}
-
-export async function findProgress(
-  db: Db,
-  id: string,
-): Promise<{ status: RequestStatus; attempts: number; mode: KeyMode } | undefined> {
-  return db.selectFrom('requests').select(['status', 'attempts', 'mode']).where('id', '=', id).executeTakeFirst();
-}
+// The worker's side: recording how attempts ended (they are started by gateway.claim_lane, see
+// lanes/repository.ts), and finding those whose worker died.
 
 export interface AttemptReport {
   upstreamStatus: number | null;
@@ -268,26 +189,24 @@ export interface AttemptFailure extends AttemptReport {
 }
 
 /** How an attempt ended, and so what becomes of its request. */
-export type Finish = (
-  | ({ kind: 'completed'; id: string; attempt: number; result: string } & AttemptReport)
-  | ({ kind: 'failed'; id: string; attempt: number } & AttemptFailure)
-  | ({ kind: 'retrying'; id: string; attempt: number; delayMs: number } & AttemptFailure)
-) & {
-  /** The lease job of an attempt run by its accepting process (see Lease): removed with it. */
-  leaseJobId?: string | undefined;
-};
+export type Finish =
+  | ({ kind: 'completed'; id: string; attempt: number; result: string; usage: Usage } & AttemptReport)
+  | ({ kind: 'failed'; id: string; attempt: number; pauseMs?: number | undefined } & AttemptFailure)
+  | ({ kind: 'retrying'; id: string; attempt: number; delayMs: number; pauseMs?: number | undefined } & AttemptFailure);
 
 /**
- * Records how attempts ended, a group at a time, in one statement: each attempt row, its
- * request (completed, failed, or retrying with its next attempt due), and one add_jobs for
- * the next attempts. Each is guarded twice: the attempt must still be running, and the request
- * still processing this very attempt; so a worker presumed dead that comes back late changes
- * nothing. Lease jobs named are removed whether or not their finish applies (a lease job that a
- * worker has already taken is locked, and left alone). Returns, per finish, whether it was applied.
+ * Records how attempts ended, a group at a time, in one statement: each attempt row, and its
+ * request: completed (with its usage), failed, or retrying, with a dispatch of its lane due when
+ * the retry is. Each is guarded twice: the attempt must still be running, and the request still
+ * processing this very attempt; so a worker presumed dead that comes back late changes nothing.
+ * The lanes learn what the attempts taught: an upstream 429 pauses its lane (pauseMs), and a
+ * completion corrects the lane's token allowance from the estimate to the usage.
+ * Returns, per finish, whether it was applied.
  */
 export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promise<boolean[]> {
   const column = <T>(pick: (finish: Finish) => T) => finishes.map(pick);
   const failure = (finish: Finish) => (finish.kind === 'completed' ? undefined : finish);
+  const usage = (finish: Finish) => (finish.kind === 'completed' ? finish.usage : undefined);
   const { rows } = await sql<{ ord: string; applied: boolean }>`
     with input as (
       select * from unnest(
@@ -295,14 +214,17 @@ export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promi
         ${column((f) => f.attempt)}::int[],
         ${column((f) => f.kind)}::text[],
         ${column((f) => (f.kind === 'completed' ? f.result : null))}::text[],
+        ${column((f) => usage(f)?.prompt ?? null)}::int[],
+        ${column((f) => usage(f)?.completion ?? null)}::int[],
+        ${column((f) => usage(f)?.total ?? null)}::int[],
         ${column((f) => failure(f)?.code ?? null)}::text[],
         ${column((f) => failure(f)?.detail ?? null)}::text[],
         ${column((f) => f.upstreamStatus)}::int[],
         ${column((f) => f.durationMs)}::int[],
         ${column((f) => (f.kind === 'retrying' ? f.delayMs : null))}::float8[],
-        ${column((f) => f.leaseJobId ?? null)}::bigint[]
-      ) with ordinality as t(id, attempt, kind, result, code, detail, upstream_status, duration_ms, delay_ms,
-                              lease_job_id, ord)
+        ${column((f) => failure(f)?.pauseMs ?? null)}::float8[]
+      ) with ordinality as t(id, attempt, kind, result, prompt_tokens, completion_tokens, total_tokens, code, detail,
+                              upstream_status, duration_ms, delay_ms, pause_ms, ord)
     ), attempt_rows as (
       update gateway.request_attempts
       set outcome = case when input.kind = 'completed' then 'succeeded' else 'failed' end,
@@ -315,6 +237,9 @@ export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promi
       update gateway.requests
       set status = input.kind,
           result = input.result::json,
+          prompt_tokens = input.prompt_tokens,
+          completion_tokens = input.completion_tokens,
+          total_tokens = input.total_tokens,
           last_error_code = coalesce(input.code, requests.last_error_code),
           finished_at = case when input.kind = 'retrying' then null else now() end,
           next_attempt_at = case when input.kind = 'retrying'
@@ -322,28 +247,59 @@ export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promi
           updated_at = now()
       from input
       where requests.id = input.id and requests.attempts = input.attempt and requests.status = 'processing'
-      returning requests.id, requests.status, requests.next_attempt_at, input.attempt
+      returning requests.id, requests.status, requests.next_attempt_at, requests.lane_id,
+                -- (estimated as the claim did: lanes/repository.ts)
+                requests.total_tokens
+                  - coalesce(requests.prompt_tokens_estimate, octet_length(requests.body::text) / 4) as unestimated_tokens,
+                input.pause_ms
+    ), lane_lessons as (
+      select lane_id, max(pause_ms) as pause_ms, coalesce(sum(unestimated_tokens), 0) as unestimated_tokens
+      from finished
+      where pause_ms is not null or unestimated_tokens is not null
+      group by lane_id
+    ), lanes_taught as (
+      update gateway.lanes
+      set paused_until = case when lane_lessons.pause_ms is null then lanes.paused_until
+                              else greatest(lanes.paused_until, now() + lane_lessons.pause_ms * interval '1 millisecond') end,
+          token_allowance = lanes.token_allowance - lane_lessons.unestimated_tokens
+      from lane_lessons
+      where lanes.id = lane_lessons.lane_id
+        and (lane_lessons.pause_ms is not null or lanes.tokens_per_minute is not null)
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
-        select row(${PROCESS_REQUEST}, json_build_object('request_id', id, 'attempt', attempt + 1),
-                   null, next_attempt_at, null, null, null, null)::graphile_worker.job_spec
+        select row(${DISPATCH_LANE}, json_build_object('lane_id', lane_id), null, next_attempt_at,
+                   null, null, null, null)::graphile_worker.job_spec
         from finished where status = 'retrying'
       ))
       where exists (select from finished where status = 'retrying')
-    ), leases_ended as (
-      select count(*) as jobs
-      from graphile_worker.complete_jobs(array(select lease_job_id from input where lease_job_id is not null))
-      where exists (select from input where lease_job_id is not null)
     )
     select input.ord, finished.id is not null as applied
     from input
     cross join queued
-    cross join leases_ended
     left join finished on finished.id = input.id
     order by input.ord
   `.execute(db);
   return rows.map((row) => row.applied);
+}
+
+/**
+ * Attempts still running whose worker is gone: its row in gateway.worker_pools was deleted as
+ * dead (or never written), and the attempt started more than `deadAfterMs` ago, so a worker
+ * starting up is not mistaken for a dead one. Never those of the workers in `live`.
+ */
+export async function findLostAttempts(db: Db, deadAfterMs: number, live: readonly string[], limit: number) {
+  const { rows } = await sql<{ id: string; attempt: number; mode: KeyMode }>`
+    select request_attempts.request_id as id, request_attempts.attempt_number as attempt, requests.mode
+    from gateway.request_attempts
+    join gateway.requests on requests.id = request_attempts.request_id
+    where request_attempts.outcome = 'running'
+      and request_attempts.started_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
+      and not exists (select from gateway.worker_pools where worker_pools.id = request_attempts.worker_id)
+      and coalesce(request_attempts.worker_id, '') <> all(${live}::text[])
+    limit ${limit}
+  `.execute(db);
+  return rows;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -400,10 +356,13 @@ export async function dropBodiesBefore(
   return { dropped: Number(rows[0]?.dropped ?? 0), more: Number(rows[0]?.scanned ?? 0) === limit };
 }
 
-/** Pushes lease jobs (see Lease) back to `leaseMs` from now; those a worker has taken stay as they are. */
-export async function renewLeases(db: Db, jobIds: readonly string[], leaseMs: number): Promise<void> {
-  await sql`
-    select count(*) from graphile_worker.reschedule_jobs(
-      ${jobIds}::bigint[], run_at => now() + ${leaseMs}::float8 * interval '1 millisecond')
-  `.execute(db);
+/** The lane of a request that is still waiting or running; undefined otherwise. */
+export async function findRequestLane(db: Db, id: string): Promise<string | undefined> {
+  const row = await db
+    .selectFrom('requests')
+    .select('lane_id')
+    .where('id', '=', id)
+    .where('finished_at', 'is', null)
+    .executeTakeFirst();
+  return row?.lane_id ?? undefined;
 }

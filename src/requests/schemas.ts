@@ -21,6 +21,8 @@ export const Message = v.strictObject({
   content: v.string('expected a string'),
 }, 'expected an object with "role" and "content"');
 
+export type Message = v.InferOutput<typeof Message>;
+
 export const CreateCompletion = v.strictObject({
   model: v.pipe(
     v.string('expected a string'),
@@ -60,6 +62,8 @@ export interface Submission {
   body: string;
   bodySha256: Buffer;
   model: string;
+  /** As parsed: what a prompt token estimate counts. */
+  messages: readonly Message[];
   wait: boolean;
   idempotencyKey: string | undefined;
 }
@@ -80,6 +84,7 @@ export function parseSubmission(input: unknown): Submission {
     body,
     bodySha256: hash('sha256', body, 'buffer'),
     model: upstream.model,
+    messages: upstream.messages,
     wait: wait ?? false,
     idempotencyKey: idempotency_key,
   };

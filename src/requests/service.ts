@@ -10,13 +10,13 @@ import type { Batcher } from '../db/batcher.ts';
 import type { Auth } from '../keys/service.ts';
 import type { Metrics } from '../metrics.ts';
 import { replayedRequest, SIGNATURE_WINDOW_SECONDS, type VerifiedSignature } from '../keys/signatures.ts';
+import type { LaneRouter, Routed } from '../lanes/routing.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
+import type { Intake } from './intake.ts';
 import * as repository from './repository.ts';
-import type { Lease, Nonce, RequestAnswer, RequestRow } from './repository.ts';
+import type { Nonce, RequestAnswer, RequestRow } from './repository.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
-import type { LocalAttempts } from '../worker/local-attempts.ts';
-import type { Recorded } from '../worker/process-request.ts';
 
 export type { RequestRow } from './repository.ts';
 
@@ -28,8 +28,14 @@ export interface RequestDeps {
   waiters: Waiters;
   metrics: Metrics;
   config: Pick<Config, 'waitTimeoutMs'>;
-  /** Where this process also runs a worker: runs requests here, while it has room. */
-  local?: LocalAttempts | undefined;
+  lanes: LaneRouter;
+  /** RATE_LIMIT_RPS and MAX_UNFINISHED_PER_PROJECT; undefined: no intake limits. */
+  intake?: Intake | undefined;
+  /**
+   * Told the lane of each request just stored: a process that also runs a worker dispatches it
+   * at once, rather than when its queued dispatch job is fetched.
+   */
+  onStored?: ((laneId: string) => void) | undefined;
 }
 
 export interface SubmitOptions {
@@ -52,13 +58,12 @@ export interface Waiting {
 const isTerminal = (status: RequestStatus) => TERMINAL_STATUSES.includes(status);
 
 /**
- * Stores the request with its job (or finds the one its idempotency key names). Resolves only
- * after the request is committed, so every id it returns is durable. For wait=true, unless the
- * request has finished already, it resolves then with the wait under way (Waiting), which holds
- * on until the request finishes or the wait timeout passes. Thousands of requests may wait at
- * once: the wait keeps only what it needs, not the submission nor the caller's frames. A
- * request that this process can run itself is run here (local attempt): a wait=true one is
- * stored with its first attempt started, a wait=false one is claimed right after its commit.
+ * Routes the request to its lane, checks the intake limits, and stores it there with a dispatch
+ * of the lane (or finds the one its idempotency key names). Resolves only after the request is
+ * committed, so every id it returns is durable. For wait=true, unless the request has finished
+ * already, it resolves then with the wait under way (Waiting), which holds on until the request
+ * finishes or the wait timeout passes. Thousands of requests may wait at once: the wait keeps
+ * only what it needs, not the submission nor the caller's frames.
  */
 export async function submit(
   deps: RequestDeps,
@@ -66,31 +71,27 @@ export async function submit(
   submission: Submission,
   options: SubmitOptions = {},
 ): Promise<SubmitOutcome | Waiting> {
+  const routed = await deps.lanes.route(auth.mode, submission);
+  deps.intake?.admitSubmission(auth);
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
   let watch = submission.wait ? deps.waiters.watch(id) : undefined;
-  let lease = deps.local?.reserve(submission.wait);
   try {
-    const stored = await store(deps, auth, submission, id, nonceOf(auth, options.signature), lease);
+    const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature));
     let { answer } = stored;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
-    let running: Promise<Recorded> | undefined;
-    if (lease && stored.leaseJobId !== undefined) {
-      running = deps.local!.run({ id, mode: auth.mode, body: submission.body, leaseJobId: stored.leaseJobId }, lease);
-      lease = undefined; // the attempt holds it now
-    }
-    if (watch && !running && answer.id !== id) {
+    if (!stored.replayed) deps.onStored?.(routed.laneId);
+    if (watch && answer.id !== id) {
       // An idempotent replay: watch the existing request instead, then read it again.
       watch.close();
       watch = deps.waiters.watch(answer.id);
       answer = (await deps.reads.submit(answer.id)) ?? answer;
     }
-    if (!watch || (!running && isTerminal(answer.status))) return outcomeOf(answer, stored.replayed, submission.wait);
-    const waiting = startWaiting(deps, watch, running, answer, stored.replayed, deadline);
+    if (!watch || isTerminal(answer.status)) return outcomeOf(answer, stored.replayed, submission.wait);
+    const waiting = startWaiting(deps, watch, answer, stored.replayed, deadline);
     watch = undefined; // the wait closes it
     return waiting;
   } finally {
-    if (lease) deps.local!.release();
     watch?.close();
   }
 }
@@ -100,9 +101,9 @@ async function store(
   auth: Auth,
   submission: Submission,
   id: string,
+  routed: Routed,
   nonce: Nonce | undefined,
-  lease: Lease | undefined,
-): Promise<{ answer: RequestAnswer; replayed: boolean; leaseJobId?: string | undefined }> {
+): Promise<{ answer: RequestAnswer; replayed: boolean }> {
   const request = {
     id,
     project_id: auth.projectId,
@@ -112,15 +113,17 @@ async function store(
     body: submission.body,
     body_sha256: submission.bodySha256,
     idempotency_key: submission.idempotencyKey ?? null,
+    lane_id: routed.laneId,
+    prompt_tokens_estimate: routed.promptTokensEstimate,
   };
   // Twice at most: the request holding the idempotency key may be deleted (retention) between
   // the insert that found it and the read that looks for it.
   for (let tries = 1; ; tries++) {
-    const inserted = await deps.inserts.insert(request, tries === 1 ? nonce : undefined, lease);
+    const inserted = await deps.inserts.insert(request, tries === 1 ? nonce : undefined);
     if (inserted.kind === 'replayed_nonce') throw replayedRequest();
     if (inserted.kind === 'inserted') {
       deps.metrics.accepted.inc({ mode: auth.mode });
-      return { answer: inserted.answer, replayed: false, leaseJobId: inserted.leaseJobId };
+      return { answer: inserted.answer, replayed: false };
     }
 
     // The key is taken: by the time the insert gave way, the request holding it was committed.
@@ -145,17 +148,10 @@ function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | 
   };
 }
 
-function startWaiting(
-  deps: RequestDeps,
-  watch: Watch,
-  running: Promise<Recorded> | undefined,
-  answer: RequestAnswer,
-  replayed: boolean,
-  deadline: number,
-): Waiting {
+function startWaiting(deps: RequestDeps, watch: Watch, answer: RequestAnswer, replayed: boolean, deadline: number): Waiting {
   return {
     kind: 'waiting',
-    outcome: waitForOutcome(deps, watch, running, answerOf(answer), replayed, deadline),
+    outcome: waitForOutcome(deps, watch, answerOf(answer), replayed, deadline),
     abort: () => watch.abort(),
   };
 }
@@ -168,41 +164,14 @@ const answerOf = (row: Answer): Answer => ({ id: row.id, status: row.status, cre
 async function waitForOutcome(
   deps: RequestDeps,
   watch: Watch,
-  running: Promise<Recorded> | undefined,
   answer: Answer,
   replayed: boolean,
   deadline: number,
 ): Promise<SubmitOutcome> {
   try {
-    let current = answer;
-    if (running) current = await waitForLocal(watch, running, current, deadline);
-    return outcomeOf(await waitForTerminal(deps, watch, current, deadline), replayed, true);
+    return outcomeOf(await waitForTerminal(deps, watch, answer, deadline), replayed, true);
   } finally {
     watch.close();
-  }
-}
-
-/**
- * Waits for a local attempt's outcome until the watch ends the wait (deadline, the client's
- * hang-up, shutdown). Its outcome is the request's new state, committed: no need to read the
- * row again. An attempt that ended in a retry (or was taken over) leaves the rest of the wait to
- * waitForTerminal.
- */
-async function waitForLocal(watch: Watch, running: Promise<Recorded>, answer: Answer, deadline: number): Promise<Answer> {
-  const outcome = running.then((recorded) => ({ recorded }));
-  for (;;) {
-    const remaining = deadline - Date.now();
-    if (remaining <= 0) return answer;
-    const event = await Promise.race([outcome, watch.next(remaining)]);
-    if (typeof event === 'object') {
-      const { recorded } = event;
-      if (recorded.status === 'completed') return { ...answer, status: 'completed', result: recorded.result };
-      if (recorded.status === 'failed' || recorded.status === 'retrying') return { ...answer, status: recorded.status };
-      return answer;
-    }
-    // 'changed': the attempt's own outcome waking its waiters (it settles next), or a reminder
-    // to read the row while notifications are down; the outcome tells more than the row.
-    if (event !== 'changed') return answer;
   }
 }
 
@@ -234,7 +203,8 @@ function outcomeOf(answer: Answer, replayed: boolean, wait: boolean): SubmitOutc
 }
 
 /** The caller's request with that id; 404 for an unknown id or one of another project or mode. */
-export async function lookup(deps: Pick<RequestDeps, 'reads'>, auth: Auth, id: string): Promise<RequestRow> {
+export async function lookup(deps: Pick<RequestDeps, 'reads' | 'intake'>, auth: Auth, id: string): Promise<RequestRow> {
+  deps.intake?.admitLookup(auth);
   if (!REQUEST_ID.test(id)) throw requestNotFound();
   const row = await deps.reads.submit(id);
   if (row === undefined || row.project_id !== auth.projectId || row.mode !== auth.mode) throw requestNotFound();

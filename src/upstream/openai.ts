@@ -30,7 +30,7 @@ export async function callOpenAiCompatible(options: OpenAiOptions, call: Upstrea
       redirect: 'manual',
     });
   } catch (error) {
-    return connectionFailure(error);
+    return connectionFailure(error, call.signal);
   }
   if (response.status < 200 || response.status >= 300) {
     await response.body?.cancel().catch(() => {});
@@ -49,7 +49,7 @@ export async function callOpenAiCompatible(options: OpenAiOptions, call: Upstrea
     }
     text = read;
   } catch (error) {
-    return connectionFailure(error);
+    return connectionFailure(error, call.signal);
   }
   return checkCompletion(text, response.status);
 }
@@ -70,10 +70,10 @@ async function readLimited(response: Response): Promise<string | undefined> {
 }
 
 // An aborted call is reported as a timeout here; the caller knows whether it was the upstream
-// timeout or a shutdown, and says so.
-function connectionFailure(error: unknown): AttemptOutcome {
+// timeout or a shutdown (the signal's reason), and says so.
+function connectionFailure(error: unknown, signal: AbortSignal): AttemptOutcome {
   const name = error instanceof Error ? error.name : '';
-  if (name === 'AbortError' || name === 'TimeoutError') {
+  if (signal.aborted || name === 'AbortError' || name === 'TimeoutError') {
     return { ok: false, code: 'upstream_timeout', detail: 'no complete answer within the upstream timeout', upstreamStatus: null };
   }
   const cause = error instanceof Error ? (error.cause as { code?: unknown } | undefined) : undefined;

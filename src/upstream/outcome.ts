@@ -13,8 +13,15 @@ export const ATTEMPT_ERRORS = {
 
 export type AttemptErrorCode = keyof typeof ATTEMPT_ERRORS;
 
+/** The token counts of a completion's `usage`, where it has them. */
+export interface Usage {
+  prompt: number | null;
+  completion: number | null;
+  total: number | null;
+}
+
 export type AttemptOutcome =
-  | { ok: true; result: string; upstreamStatus: number }
+  | { ok: true; result: string; upstreamStatus: number; usage: Usage }
   | {
       ok: false;
       code: AttemptErrorCode;
@@ -59,7 +66,19 @@ export function checkCompletion(text: string, status: number): AttemptOutcome {
   if (completion.object !== 'chat.completion') return invalid(status, 'the 2xx body is not a chat.completion object');
   if (typeof completion.id !== 'string') return invalid(status, 'the chat completion has no string id');
   if (!Array.isArray(completion.choices)) return invalid(status, 'the chat completion has no choices array');
-  return { ok: true, result: text, upstreamStatus: status };
+  return { ok: true, result: text, upstreamStatus: status, usage: usageOf(completion.usage) };
+}
+
+function usageOf(value: unknown): Usage {
+  const usage = typeof value === 'object' && value !== null ? (value as Record<string, unknown>) : {};
+  const count = (name: string) => {
+    const n = usage[name];
+    return typeof n === 'number' && Number.isSafeInteger(n) && n >= 0 && n <= 2_147_483_647 ? n : null;
+  };
+  const prompt = count('prompt_tokens');
+  const completion = count('completion_tokens');
+  const total = count('total_tokens') ?? (prompt !== null && completion !== null ? prompt + completion : null);
+  return { prompt, completion, total };
 }
 
 const invalid = (status: number, detail: string): AttemptOutcome => ({

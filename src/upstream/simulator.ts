@@ -26,7 +26,14 @@ export async function simulate(call: UpstreamCall & { attempt: number }): Promis
   }
   if (kind === 'fail' && call.attempt <= value) return failedWithStatus(500);
   if (kind === 'error' && value >= 100 && value <= 599 && (value < 200 || value >= 300)) return failedWithStatus(value);
-  return { ok: true, result: JSON.stringify(completionFor(body)), upstreamStatus: 200 };
+  const completion = completionFor(body);
+  const { usage } = completion;
+  return {
+    ok: true,
+    result: JSON.stringify(completion),
+    upstreamStatus: 200,
+    usage: { prompt: usage.prompt_tokens, completion: usage.completion_tokens, total: usage.total_tokens },
+  };
 }
 
 function completionFor(body: SimulatedBody) {

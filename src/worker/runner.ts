@@ -1,16 +1,20 @@
-// The worker role: a graphile-worker pool running process_request jobs, and the periodic
-// cleanup tasks (graphile-worker's cron: each runs once per period across all workers).
-import type { RunnerOptions } from 'graphile-worker';
+// The worker role's graphile-worker pool: dispatch_lane jobs (each wakes a lane; the dispatcher
+// starts what the lane has room for, and the job ends as soon as the calls are started), and the
+// periodic cleanup tasks (graphile-worker's cron: each runs once per period across all workers).
+// Its jobs are all short: upstream calls in flight hold no graphile-worker slot.
+import type { RunnerOptions, Task } from 'graphile-worker';
 import type pg from 'pg';
+import * as v from 'valibot';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
+import { DISPATCH_LANE, DispatchLanePayload, PROCESS_REQUEST, ProcessRequestPayload } from '../lanes/jobs.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
-import { PROCESS_REQUEST } from '../requests/jobs.ts';
+import { findRequestLane } from '../requests/repository.ts';
 import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
+import type { Dispatcher } from './dispatcher.ts';
 import { graphileLogger } from './graphile-logger.ts';
 import { RETENTION, retentionTask } from './retention.ts';
-import { processRequestTask, type Attempts } from './process-request.ts';
 
 export interface WorkerDeps {
   config: Config;
@@ -18,14 +22,8 @@ export interface WorkerDeps {
   db: Db;
   metrics: Metrics;
   logger: Logger;
-  /** Runs the attempts that process_request jobs name (createAttempts). */
-  attempts: Attempts;
-  /** This process runs requests it accepts itself, each with a lease job (LocalAttempts). */
-  localAttempts?: boolean;
+  dispatcher: Dispatcher;
 }
-
-/** How long, on average, a fetch that found no job holds the next one back (see below). */
-const REFETCH_DELAY_MS = 100;
 
 /** graphile-worker's options for our task list (supervisor.ts runs and restarts it). */
 export function runnerOptions(deps: WorkerDeps): RunnerOptions {
@@ -44,28 +42,39 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
         failJobBatchDelay: 0,
         // The pool fetches (and locks) jobs in batches for its workers instead of each worker
         // fetching its own: one query and one commit for many jobs.
-        localQueue: {
-          size: deps.config.workerConcurrency,
-          // Every add_jobs announces its jobs (NOTIFY jobs:insert) and the local queue fetches
-          // on each announcement. With local attempts nearly all are lease jobs of this
-          // process's own requests, not due for WORKER_DEAD_AFTER_MS: at 2,000 requests a
-          // second that made a hundred fetches a second that found nothing, each walking the
-          // lease rows deleted since the last vacuum (3 to 4 ms; a third of a core of
-          // Postgres). So a fetch that finds nothing holds the next one back for 0.5 to 1.5
-          // times this delay, unless enough jobs are announced meanwhile (graphile-worker's
-          // refetchDelay); a job queued then waits up to that much longer.
-          ...(deps.localAttempts
-            ? { refetchDelay: { durationMs: Math.min(REFETCH_DELAY_MS, deps.config.workerPollIntervalMs) } }
-            : {}),
-        },
+        localQueue: { size: deps.config.workerConcurrency },
       },
     },
     logger: graphileLogger(deps.logger),
     crontab: [`*/5 * * * * ${CLEANUP_NONCES}`, `*/10 * * * * ${RETENTION}`].join('\n'),
     taskList: {
-      [PROCESS_REQUEST]: processRequestTask(deps.attempts, deps.logger),
+      [DISPATCH_LANE]: dispatchLaneTask(deps),
+      [PROCESS_REQUEST]: processRequestTask(deps),
       [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
       [RETENTION]: retentionTask({ db: deps.db, config: deps.config, logger: deps.logger }),
     },
+  };
+}
+
+function dispatchLaneTask(deps: WorkerDeps): Task {
+  const log = deps.logger.child({ component: 'worker' });
+  return async (rawPayload, helpers) => {
+    const parsed = v.safeParse(DispatchLanePayload, rawPayload);
+    if (!parsed.success) {
+      // Retrying cannot fix a payload that names no lane; drop the job, loudly.
+      log.error({ jobId: helpers.job.id }, 'dispatch_lane job with an invalid payload dropped');
+      return;
+    }
+    await deps.dispatcher.dispatch(parsed.output.lane_id);
+  };
+}
+
+/** A job of an earlier version, naming one attempt of a request: it wakes the request's lane. */
+function processRequestTask(deps: WorkerDeps): Task {
+  return async (rawPayload) => {
+    const parsed = v.safeParse(ProcessRequestPayload, rawPayload);
+    if (!parsed.success) return;
+    const laneId = await findRequestLane(deps.db, parsed.output.request_id);
+    if (laneId) await deps.dispatcher.dispatch(laneId);
   };
 }

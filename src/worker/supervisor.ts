@@ -2,18 +2,21 @@
 // - runs the graphile-worker pool, and starts a new one as soon as it begins to stop on its own
 //   (graphile-worker stops a pool that cannot record a job's end, as happens while Postgres is
 //   down, and that stop can hang for good: the new pool does not wait for it);
-// - writes a heartbeat for its pool in gateway.worker_pools;
-// - sweeps: a pool not heard from for WORKER_DEAD_AFTER_MS is presumed dead, and its jobs are
-//   released with graphile_worker.force_unlock_workers, so they run again on a live worker
-//   (where the lost attempt is recorded as worker_lost) instead of after graphile-worker's 4 h.
-//   A process never sweeps its own current pool (after an outage its heartbeat is stale too).
-//   The lease jobs of local attempts need no sweep: they come due by themselves.
+// - writes a heartbeat in gateway.worker_pools for its pool and for its dispatcher (the owner of
+//   its attempts), which outlives pools;
+// - sweeps: a worker not heard from for WORKER_DEAD_AFTER_MS is presumed dead. Its pool's jobs
+//   are released with graphile_worker.force_unlock_workers, so they run again on a live worker
+//   instead of after graphile-worker's 4 h, and its attempts still running are recorded as
+//   worker_lost and retried. A process never sweeps its own current pool nor its own attempts
+//   (after an outage its heartbeat is stale too).
 import { EventEmitter } from 'node:events';
 import { hostname } from 'node:os';
 import { sql } from 'kysely';
 import { run, type Runner, type WorkerEvents } from 'graphile-worker';
 import type { Db } from '../db/pool.ts';
 import { errorSummary } from '../db/pool.ts';
+import { findLostAttempts } from '../requests/repository.ts';
+import type { Attempts } from './attempts.ts';
 import type { WorkerDeps } from './runner.ts';
 import { runnerOptions } from './runner.ts';
 
@@ -21,13 +24,16 @@ const RESTART_MIN_MS = 250;
 const RESTART_MAX_MS = 2_000;
 // A pool that ran this long before stopping was healthy: the next restart is quick again.
 const HEALTHY_AFTER_MS = 30_000;
+// Lost attempts recorded per sweep at most; the next sweep takes the rest.
+const RECOVERY_BATCH = 1_000;
 
 export interface WorkerService {
   stop(): Promise<void>;
 }
 
-export async function startWorkerService(deps: WorkerDeps): Promise<WorkerService> {
+export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts }): Promise<WorkerService> {
   const log = deps.logger.child({ component: 'supervisor' });
+  const { dispatcher } = deps;
   const deadAfterMs = deps.config.workerDeadAfterMs;
   // Several beats and sweeps per period, so a dead pool is found within about 1.2 periods.
   const beatMs = Math.max(100, Math.floor(deadAfterMs / 5));
@@ -50,7 +56,9 @@ export async function startWorkerService(deps: WorkerDeps): Promise<WorkerServic
     if (!poolId) throw new Error('graphile-worker started without announcing its pool');
     const id = poolId;
     current = { runner, poolId: id, startedAt: Date.now() };
-    await beat(deps.db, id).catch((error) => log.warn({ err: errorSummary(error) }, 'first heartbeat failed'));
+    await beat(deps.db, [id, dispatcher.workerId]).catch((error) =>
+      log.warn({ err: errorSummary(error) }, 'first heartbeat failed'),
+    );
     log.info({ poolId: id }, 'worker pool started');
     const settled = (error?: unknown) => {
       retire(runner, 'stopped on its own', error);
@@ -85,20 +93,24 @@ export async function startWorkerService(deps: WorkerDeps): Promise<WorkerServic
   };
 
   const heartbeat = setInterval(() => {
-    if (current) beat(deps.db, current.poolId).catch((error) => log.debug({ err: errorSummary(error) }, 'heartbeat failed'));
+    const ids = current ? [current.poolId, dispatcher.workerId] : [dispatcher.workerId];
+    beat(deps.db, ids).catch((error) => log.debug({ err: errorSummary(error) }, 'heartbeat failed'));
   }, beatMs);
   const sweeper = setInterval(() => {
-    // Never our own live pool: its heartbeat may be stale only because the database was out of
-    // reach, while its attempts are still running here.
-    sweep(deps.db, deadAfterMs, current?.poolId).then(
-      (released) => {
-        if (released.length > 0) log.warn({ pools: released }, 'released the jobs of dead worker pools');
-      },
-      (error) => log.debug({ err: errorSummary(error) }, 'sweep failed'),
-    );
+    // Never our own live pool nor our own attempts: our heartbeat may be stale only because the
+    // database was out of reach, while our attempts are still running here.
+    const live = [dispatcher.workerId, ...(current ? [current.poolId] : [])];
+    sweep(deps.db, deadAfterMs, live)
+      .then(async (released) => {
+        if (released.length > 0) log.warn({ workers: released }, 'released the jobs of dead workers');
+        const lost = await findLostAttempts(deps.db, deadAfterMs, live, RECOVERY_BATCH);
+        if (lost.length > 0) await deps.attempts.recover(lost);
+      })
+      .catch((error: unknown) => log.debug({ err: errorSummary(error) }, 'sweep failed'));
   }, beatMs);
 
   try {
+    await beat(deps.db, [dispatcher.workerId]);
     await launch();
   } catch (error) {
     clearInterval(heartbeat);
@@ -112,18 +124,27 @@ export async function startWorkerService(deps: WorkerDeps): Promise<WorkerServic
       clearTimeout(restartTimer);
       clearInterval(heartbeat);
       clearInterval(sweeper);
-      if (!current) return;
-      const { runner, poolId } = current;
+      // Calls in flight get SHUTDOWN_GRACE_MS to finish, then are aborted and handed back
+      // (recorded as worker_lost and retried at once elsewhere); the pool's dispatches meanwhile
+      // hand their lanes to other workers.
+      const flightsLanded = dispatcher.stop();
+      const pool = current;
       current = undefined;
-      // Graceful: running attempts get SHUTDOWN_GRACE_MS to finish, then are aborted and
-      // handed back (recorded as worker_lost and retried at once elsewhere).
-      await runner.stop().catch((error: unknown) => {
-        log.warn({ poolId, err: errorSummary(error) }, 'worker pool did not stop cleanly');
-      });
+      if (pool) {
+        await pool.runner.stop().catch((error: unknown) => {
+          log.warn({ poolId: pool.poolId, err: errorSummary(error) }, 'worker pool did not stop cleanly');
+        });
+      }
+      await flightsLanded;
+      if (!pool) {
+        await release(deps.db, [dispatcher.workerId]).catch(() => {});
+        return;
+      }
+      const { poolId } = pool;
       // Nothing of this pool runs any more, but graphile-worker may not have given back every
       // job it held: its local queue's release can fail when jobs are waiting in it. Release
       // them now rather than after the sweep's WORKER_DEAD_AFTER_MS.
-      await release(deps.db, [poolId]).catch((error: unknown) => {
+      await release(deps.db, [poolId, dispatcher.workerId]).catch((error: unknown) => {
         log.warn({ poolId, err: errorSummary(error) }, 'could not release the pool\'s jobs; the sweep will');
       });
       log.info({ poolId }, 'worker pool stopped');
@@ -131,31 +152,32 @@ export async function startWorkerService(deps: WorkerDeps): Promise<WorkerServic
   };
 }
 
-async function beat(db: Db, poolId: string): Promise<void> {
+async function beat(db: Db, ids: readonly string[]): Promise<void> {
   await sql`
-    insert into gateway.worker_pools (id, hostname, pid) values (${poolId}, ${hostname()}, ${process.pid})
+    insert into gateway.worker_pools (id, hostname, pid)
+    select id, ${hostname()}, ${process.pid} from unnest(${ids}::text[]) as ids(id)
     on conflict (id) do update set last_seen_at = now()
   `.execute(db);
 }
 
 /**
- * Releases the jobs of pools presumed dead: those whose heartbeat is older than deadAfterMs,
+ * Releases the jobs of workers presumed dead: those whose heartbeat is older than deadAfterMs,
  * and any pool holding jobs for that long without ever having had a heartbeat row; never
- * `livePoolId`, the caller's own. Returns the pool ids released.
+ * `live`, the caller's own. Returns the ids released. (Their attempts are found next, by
+ * findLostAttempts.)
  */
-export async function sweep(db: Db, deadAfterMs: number, livePoolId?: string): Promise<string[]> {
-  const live = livePoolId ?? '';
+export async function sweep(db: Db, deadAfterMs: number, live: readonly string[] = []): Promise<string[]> {
   const { rows } = await sql<{ ids: string[] }>`
     with dead as (
       delete from gateway.worker_pools
-      where last_seen_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond' and id <> ${live}
+      where last_seen_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond' and id <> all(${live}::text[])
       returning id
     ), orphans as (
       select distinct locked_by as id from graphile_worker.jobs
       where locked_by is not null
         and locked_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
         and locked_by not in (select id from gateway.worker_pools)
-        and locked_by <> ${live}
+        and locked_by <> all(${live}::text[])
     ), released as (
       select array(select id from dead union select id from orphans) as ids
     )

@@ -20,25 +20,22 @@ export async function countRows(db: Db, table: 'requests' | 'request_attempts' |
   return Number(row.count);
 }
 
-/** The process_request jobs of a request (the public jobs view does not show payloads). */
-export async function jobsFor(db: Db, requestId: string): Promise<{ attempt: number; run_at: Date }[]> {
-  const { rows } = await sql<{ attempt: number; run_at: Date }>`
-    select (jobs.payload->>'attempt')::int as attempt, jobs.run_at
+/** The dispatch_lane jobs in the queue (the public jobs view does not show payloads), oldest first. */
+export async function dispatchJobs(db: Db): Promise<{ lane_id: string; run_at: Date; key: string | null }[]> {
+  const { rows } = await sql<{ lane_id: string; run_at: Date; key: string | null }>`
+    select jobs.payload->>'lane_id' as lane_id, jobs.run_at, jobs.key
     from graphile_worker._private_jobs as jobs
     join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id
-    where tasks.identifier = 'process_request' and jobs.payload->>'request_id' = ${requestId}
+    where tasks.identifier = 'dispatch_lane'
     order by jobs.id
   `.execute(db);
   return rows;
 }
 
-/** Waits until the request has no job left (graphile-worker deletes finished jobs in batches). */
-export async function waitForNoJobs(db: Db, requestId: string, timeoutMs = 10_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while ((await jobsFor(db, requestId)).length > 0) {
-    if (Date.now() > deadline) throw new Error(`request ${requestId} still has jobs`);
-    await new Promise((resolve) => setTimeout(resolve, 20));
-  }
+/** The lane a request waits in (as an int8 string). */
+export async function laneOf(db: Db, id: string): Promise<string> {
+  const row = await db.selectFrom('requests').select('lane_id').where('id', '=', id).executeTakeFirstOrThrow();
+  return row.lane_id!;
 }
 
 /** Polls the row until `done` holds; fails with the last row seen after `timeoutMs`. */

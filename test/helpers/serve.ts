@@ -13,10 +13,13 @@ export interface ServeProcess {
   exited: Promise<number | null>;
 }
 
-/** Starts `gateway serve` with these settings over the test's own environment; killed at teardown. */
-export function spawnServe(t: Teardown, env: Record<string, string>): ServeProcess {
+/**
+ * Starts `gateway serve` (with `args`, e.g. ['--role', 'worker']) with these settings over the
+ * test's own environment; killed at teardown.
+ */
+export function spawnServe(t: Teardown, env: Record<string, string>, args: string[] = []): ServeProcess {
   const cli = new URL('../../src/cli.ts', import.meta.url).pathname;
-  const child = spawn(process.execPath, [...process.execArgv, cli, 'serve'], {
+  const child = spawn(process.execPath, [...process.execArgv, cli, 'serve', ...args], {
     env: { ...process.env, ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
   });

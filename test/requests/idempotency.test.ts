@@ -3,7 +3,7 @@
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { countRows, jobsFor, waitForRow } from '../helpers/rows.ts';
+import { countRows, dispatchJobs, waitForRow } from '../helpers/rows.ts';
 import { startFakeUpstream } from '../helpers/upstream.ts';
 
 t.test('the same key with the same body is the same request, whatever the key order and wait', async (t) => {
@@ -21,7 +21,7 @@ t.test('the same key with the same body is the same request, whatever the key or
   t.equal(again.headers.get('idempotent-replayed'), 'true');
 
   t.equal(await countRows(gateway.db, 'requests'), 1, 'one request');
-  t.equal((await jobsFor(gateway.db, first.body.id)).length, 1, 'one job');
+  t.equal((await dispatchJobs(gateway.db)).length, 1, 'one dispatch of its lane: the replay added none');
 });
 
 t.test('a replay after completion answers at once, without a second upstream call', async (t) => {
@@ -91,7 +91,7 @@ t.test('concurrent first uses of one key create exactly one request, and all cal
   t.equal(ids.size, 1, 'one id for all');
   t.equal(answers.filter((answer) => answer.headers.get('idempotent-replayed') === null).length, 1, 'one creator');
   t.equal(await countRows(gateway.db, 'requests'), 1);
-  t.equal((await jobsFor(gateway.db, [...ids][0]!)).length, 1);
+  t.ok((await dispatchJobs(gateway.db)).length >= 1, 'and its lane woken');
 });
 
 t.test('keys are scoped to a project and a mode', async (t) => {

@@ -5,13 +5,14 @@ import { newRequestId } from '../../src/ids.ts';
 import { InsertBatcher } from '../../src/requests/insert-batcher.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { send } from '../helpers/http.ts';
-import { countRows, jobsFor } from '../helpers/rows.ts';
+import { countRows, dispatchJobs } from '../helpers/rows.ts';
 import { signature } from '../helpers/signing.ts';
 
 async function setup(t: Parameters<typeof startTestGateway>[0]) {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
   const { rows } = await gateway.pool.query('select project_id from gateway.api_keys where id = $1', [key.id]);
+  const lane = await gateway.pool.query(`insert into gateway.lanes (mode, upstream, model) values ('test', 'simulator', '*') returning id`);
   const request = (overrides: Record<string, unknown> = {}) => ({
     id: newRequestId(),
     project_id: rows[0].project_id as string,
@@ -21,13 +22,15 @@ async function setup(t: Parameters<typeof startTestGateway>[0]) {
     body: '{"model":"m","messages":[]}',
     body_sha256: Buffer.alloc(32, 1),
     idempotency_key: null,
+    lane_id: lane.rows[0].id as string,
+    prompt_tokens_estimate: null,
     ...overrides,
   });
-  return { gateway, key, request };
+  return { gateway, key, request, laneId: lane.rows[0].id as string };
 }
 
-t.test('concurrent inserts share statements; each gets its own row and job', async (t) => {
-  const { gateway, request } = await setup(t);
+t.test('concurrent inserts share statements; each gets its own row, and each statement wakes the lane', async (t) => {
+  const { gateway, request, laneId } = await setup(t);
   const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1 });
   const requests = Array.from({ length: 200 }, () => request());
   const results = await Promise.all(requests.map((r) => batcher.insert(r, undefined)));
@@ -35,8 +38,11 @@ t.test('concurrent inserts share statements; each gets its own row and job', asy
   t.equal(batcher.stats.requests, 200);
   t.ok(batcher.stats.statements < 20, `200 inserts in ${batcher.stats.statements} statements`);
   t.equal(await countRows(gateway.db, 'requests'), 200);
-  const jobs = await Promise.all(requests.map((r) => jobsFor(gateway.db, r.id)));
-  t.same(jobs.filter((list) => list.length !== 1 || list[0]!.attempt !== 1), [], 'each with one job, for attempt 1');
+  const jobs = await dispatchJobs(gateway.db);
+  t.equal(jobs.length, batcher.stats.statements, 'one dispatch of the lane per statement');
+  t.ok(jobs.every((job) => job.lane_id === laneId), 'of their lane');
+  const waiting = await gateway.pool.query(`select count(*)::int as count from gateway.requests where status = 'queued' and next_attempt_at <= now()`);
+  t.equal(waiting.rows[0].count, 200, 'every request queued and due');
 });
 
 t.test('within one group: a repeated nonce is a replay, a repeated idempotency key one request', async (t) => {

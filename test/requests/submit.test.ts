@@ -1,9 +1,9 @@
 import t from 'tap';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
-import { attemptRows, jobsFor, requestRow, waitForRow } from '../helpers/rows.ts';
+import { attemptRows, dispatchJobs, requestRow, waitForRow } from '../helpers/rows.ts';
 
-t.test('wait=false answers 202 with the acknowledgement, after the row and its job are committed', async (t) => {
+t.test('wait=false answers 202 with the acknowledgement, after the row and its lane\'s dispatch are committed', async (t) => {
   // API only: no worker, so the request stays exactly as it was accepted.
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
@@ -21,7 +21,8 @@ t.test('wait=false answers 202 with the acknowledgement, after the row and its j
   const row = await requestRow(gateway.db, answer.body.id);
   t.equal(row?.status, 'queued');
   t.equal(row?.attempts, 0);
-  t.same(await jobsFor(gateway.db, answer.body.id).then((jobs) => jobs.map((job) => job.attempt)), [1]);
+  t.ok(row?.next_attempt_at && row.next_attempt_at <= new Date(), 'due at once');
+  t.same((await dispatchJobs(gateway.db)).map((job) => job.lane_id), [row?.lane_id], 'and its lane woken by a dispatch job');
 });
 
 t.test('wait defaults to false', async (t) => {

@@ -19,7 +19,7 @@ t.test('a waiter in an API process hears a completion made by a worker in anothe
 });
 
 t.test('a waiter whose client disconnects is dropped', async (t) => {
-  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '20000' } });
+  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '20000', UPSTREAM_TIMEOUT_MS: '10000' } });
   const key = await gateway.createKey();
   const body = JSON.stringify({ model: 'test-delay-5000', messages: userMessage(), wait: true });
   const request = http.request(`${gateway.url}/v1/chat/completions`, {
@@ -48,7 +48,7 @@ t.test('a waiter whose client disconnects is dropped', async (t) => {
 });
 
 t.test('shutting down answers waiting requests with their acknowledgement', async (t) => {
-  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '30000' } });
+  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '30000', UPSTREAM_TIMEOUT_MS: '60000' } });
   const client = clientFor(gateway.url, await gateway.createKey());
   const pending = client.post({ model: 'test-delay-60000', messages: userMessage(), wait: true });
   for (let i = 0; ; i++) {

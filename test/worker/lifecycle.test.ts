@@ -1,15 +1,24 @@
 // The lifecycle of CONTRACT.md section 1, observed state by state: queued -> processing ->
 // retrying -> processing -> completed, processing -> failed; a lost attempt is recorded as
-// worker_lost and retried; a terminal request is never run again.
+// worker_lost and retried; a terminal request is never run again; concurrent dispatches of a
+// lane start each request once.
 import t, { type Test } from 'tap';
-import { Metrics } from '../../src/metrics.ts';
-import { createLogger } from '../../src/logger.ts';
+import { claimLane } from '../../src/lanes/repository.ts';
 import * as repository from '../../src/requests/repository.ts';
-import { createAttempts } from '../../src/worker/process-request.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { attemptRows, isTerminal, jobsFor, requestRow, waitForNoJobs, waitForRow } from '../helpers/rows.ts';
+import { attemptRows, dispatchJobs, isTerminal, laneOf, requestRow, waitForRow } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
+import { until } from '../helpers/wait.ts';
+
+const NO_LIMITS = { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined };
+const NO_USAGE = { prompt: null, completion: null, total: null };
+
+/** Starts the request's next attempt as a worker that then dies: no heartbeat row, nothing recorded. */
+async function claimAsDeadWorker(api: { db: Parameters<typeof claimLane>[0] }, id: string) {
+  const claim = await claimLane(api.db, await laneOf(api.db, id), 10, 'worker-that-died', NO_LIMITS);
+  if (!claim.started.some((started) => started.id === id)) throw new Error('not claimed');
+}
 
 /** An upstream whose every answer the test gives by hand. */
 async function gatedUpstream(t: Test) {
@@ -48,8 +57,10 @@ t.test('queued -> processing -> retrying -> processing -> completed', async (t) 
   const retrying = await waitForRow(api.db, id, (row) => row.status === 'retrying');
   t.match(retrying, { attempts: 1, last_error_code: 'upstream_rate_limited' }, 'retrying');
   t.ok(retrying.next_attempt_at && retrying.next_attempt_at > new Date(), 'with the next attempt due later');
-  // (attempt 1's job may linger an instant: graphile-worker records job ends in batches)
-  t.ok((await jobsFor(api.db, id)).some((job) => job.attempt === 2), 'and the next attempt\'s job waiting');
+  t.ok(
+    (await dispatchJobs(api.db)).some((job) => job.lane_id === retrying.lane_id && job.run_at >= retrying.next_attempt_at!),
+    'and a dispatch of its lane due then',
+  );
 
   t.match(await waitForRow(api.db, id, (row) => row.status === 'processing' && row.attempts === 2), {
     next_attempt_at: null,
@@ -57,8 +68,7 @@ t.test('queued -> processing -> retrying -> processing -> completed', async (t) 
   await upstream.answer({ status: 200, json: completionFor({ messages: [{ content: 'x' }] }) });
   const completed = await waitForRow(api.db, id, isTerminal);
   t.match(completed, { status: 'completed', attempts: 2, last_error_code: 'upstream_rate_limited' }, 'completed');
-  await waitForNoJobs(api.db, id);
-  t.pass('no job left');
+  t.match(await attemptRows(api.db, id), [{ outcome: 'failed' }, { outcome: 'succeeded' }], 'no attempt left running');
 });
 
 t.test('processing -> failed', async (t) => {
@@ -77,64 +87,60 @@ t.test('processing -> failed', async (t) => {
   });
 });
 
-t.test('a terminal request is never run again, whatever jobs name it', async (t) => {
+t.test('a terminal request is never run again, whatever jobs wake its lane', async (t) => {
   const upstream = await startFakeUpstream(t);
   const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const accepted = await client.post({ model: 'gpt-test', messages: userMessage(), wait: true });
   t.equal(accepted.status, 200);
-  const { rows } = await gateway.pool.query('select id from gateway.requests');
+  const { rows } = await gateway.pool.query('select id, lane_id from gateway.requests');
   const id = rows[0].id as string;
   const before = await requestRow(gateway.db, id);
 
-  // Stray jobs for the attempt it ran, the next one, and a far one.
+  // Stray dispatches of its lane, and jobs of an earlier version naming the request.
+  for (let i = 0; i < 3; i++) {
+    await gateway.pool.query(`select graphile_worker.add_job('dispatch_lane', json_build_object('lane_id', $1::bigint))`, [rows[0].lane_id]);
+  }
   for (const attempt of [1, 2, 5]) {
     await gateway.pool.query(
       `select graphile_worker.add_job('process_request', json_build_object('request_id', $1::text, 'attempt', $2::int))`,
       [id, attempt],
     );
   }
-  await waitForNoJobs(gateway.db, id);
+  await until(async () => {
+    const { rows: jobs } = await gateway.pool.query('select count(*)::int as count from graphile_worker.jobs');
+    return jobs[0].count === 0;
+  }, 'the stray jobs to be run');
   t.same(await requestRow(gateway.db, id), before, 'the row did not change');
   t.equal(upstream.calls.length, 1, 'the upstream was called once');
   t.equal((await attemptRows(gateway.db, id)).length, 1);
 });
 
-t.test('jobs claiming the same attempt in one group: only the first starts it', async (t) => {
+t.test('dispatches of one lane at the same time start each request once', async (t) => {
   const api = await startTestGateway(t, { role: 'api' });
   const client = clientFor(api.url, await api.createKey({ mode: 'live' }));
-  const [first, second, id] = await Promise.all(
-    [1, 2, 3].map(async () => (await client.post({ model: 'gpt-test', messages: userMessage() })).body.id as string),
+  const ids = await Promise.all(
+    Array.from({ length: 50 }, async (_, i) => (await client.post({ model: 'gpt-test', messages: userMessage(`n${i}`) })).body.id as string),
   );
-  const attempts = createAttempts({
-    db: api.db,
-    config: api.config,
-    metrics: new Metrics(),
-    logger: createLogger({ logLevel: 'silent' }),
-  });
-  // Submitted in the same tick: the first two claims take the two statements allowed at once,
-  // and the three claims of the last request wait for the next, together.
-  const claims = [
-    { id: first!, workerId: 'pool-a' },
-    { id: second!, workerId: 'pool-a' },
-    { id: id!, workerId: 'pool-a' },
-    { id: id!, workerId: 'pool-b' },
-    { id: id!, workerId: 'pool-c' },
-  ];
-  const claimed = await Promise.all(claims.map((claim) => attempts.claim({ ...claim, attempt: 1 })));
-  t.equal(claimed.filter((attempt) => attempt?.id === id).length, 1, 'one claim started the attempt');
-  t.match(claimed[2], { id, attempt: 1 }, 'the first of the group');
-  t.match(await requestRow(api.db, id!), { status: 'processing', attempts: 1 });
-  t.match(await attemptRows(api.db, id!), [{ attempt_number: 1, worker_id: 'pool-a' }]);
+  const lane = await laneOf(api.db, ids[0]!);
+  const claims = await Promise.all(
+    ['a', 'b', 'c', 'd', 'e'].map((worker) => claimLane(api.db, lane, 20, `worker-${worker}`, NO_LIMITS)),
+  );
+  const started = claims.flatMap((claim) => claim.started.map((attempt) => attempt.id));
+  t.equal(started.length, 50, 'fifty attempts started');
+  t.same(new Set(started), new Set(ids), 'one for each request');
+  const { rows } = await api.pool.query(`select count(*)::int as count from gateway.request_attempts`);
+  t.equal(rows[0].count, 50, 'and one attempt row each');
+  t.ok(claims.every((claim) => claim.started.every((attempt) => attempt.attempt === 1)));
 });
 
 t.test('an attempt whose worker died is recorded as worker_lost and the request is retried', async (t) => {
   const upstream = await startFakeUpstream(t);
-  const env = { UPSTREAM_BASE_URL: upstream.baseUrl };
+  const env = { UPSTREAM_BASE_URL: upstream.baseUrl, WORKER_DEAD_AFTER_MS: '1000' };
   const { api, id } = await acceptWithoutWorker(t, env);
-  // A worker claims attempt 1 and dies before recording anything: its job is left behind
-  // (released, as the dead-worker sweep does) and runs again.
-  t.ok(await repository.claimAttempt(api.db, id, 1, 'worker-that-died'));
+  // A worker starts attempt 1 and dies before recording anything: its heartbeat is gone, and
+  // a live worker's sweep finds the attempt.
+  await claimAsDeadWorker(api, id);
 
   await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env });
   const row = await waitForRow(api.db, id, isTerminal);
@@ -147,7 +153,7 @@ t.test('an attempt whose worker died is recorded as worker_lost and the request 
 
   t.notOk(
     (await repository.finishAttempts(api.db, [
-      { kind: 'completed', id, attempt: 1, result: '{"object":"chat.completion"}', upstreamStatus: 200, durationMs: 1 },
+      { kind: 'completed', id, attempt: 1, result: '{"object":"chat.completion"}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 },
     ]))[0],
     'the dead worker, were it to come back, could not record its outcome',
   );
@@ -155,10 +161,11 @@ t.test('an attempt whose worker died is recorded as worker_lost and the request 
 });
 
 t.test('a lost last attempt fails the request with worker_lost', async (t) => {
-  const api = await startTestGateway(t, { role: 'api', env: { MAX_ATTEMPTS: '1' } });
+  const env = { MAX_ATTEMPTS: '1', WORKER_DEAD_AFTER_MS: '1000' };
+  const api = await startTestGateway(t, { role: 'api', env });
   const accepted = await clientFor(api.url, await api.createKey()).post({ model: 'test-echo', messages: userMessage() });
-  await repository.claimAttempt(api.db, accepted.body.id, 1, 'worker-that-died');
-  await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env: { MAX_ATTEMPTS: '1' } });
+  await claimAsDeadWorker(api, accepted.body.id);
+  await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env });
   t.match(await waitForRow(api.db, accepted.body.id, isTerminal), {
     status: 'failed',
     attempts: 1,

@@ -3,7 +3,7 @@ import type { RouterMiddleware } from '@koa/router';
 import { lookup, type RequestDeps } from '../../requests/service.ts';
 import type { GatewayState } from '../context.ts';
 
-export function getRequest(deps: Pick<RequestDeps, 'reads'>): RouterMiddleware<GatewayState> {
+export function getRequest(deps: Pick<RequestDeps, 'reads' | 'intake'>): RouterMiddleware<GatewayState> {
   return async (ctx) => {
     const row = await lookup(deps, ctx.state.auth, ctx.params.id ?? '');
     const record = JSON.stringify({

@@ -25,7 +25,7 @@ export interface RecordedSecret {
 /** The scenario files; the run's directory is deleted once each has found its logs clean. */
 export const SCENARIOS = [
   '1-worker-killed',
-  '1-local-attempts-killed',
+  '1-all-killed',
   '2-api-killed',
   '3-postgres-outage',
   '4-chaos-upstream',

@@ -1,0 +1,31 @@
+// gateway upstreams: where live requests go (UPSTREAMS_FILE, as this process reads it) and what
+// each lane holds now (gateway.lane_states).
+import type { Db } from '../db/pool.ts';
+import { laneStates } from '../lanes/repository.ts';
+import type { Upstream } from '../lanes/upstreams.ts';
+import { table } from './output.ts';
+
+export async function upstreamsCommand(db: Db, upstreams: readonly Upstream[], options: { json: boolean }): Promise<string> {
+  const lanes = await laneStates(db);
+  const configured = upstreams.map((upstream) => ({
+    name: upstream.name,
+    base_url: upstream.baseUrl,
+    models: upstream.models,
+    max_concurrent: upstream.limits.maxConcurrent ?? null,
+    requests_per_minute: upstream.limits.requestsPerMinute ?? null,
+    tokens_per_minute: upstream.limits.tokensPerMinute ?? null,
+  }));
+  if (options.json) return JSON.stringify({ upstreams: configured, lanes });
+  return [
+    'Upstreams (first match by model wins)',
+    table(
+      configured.map((upstream) => ({ ...upstream, models: upstream.models.join(' ') })),
+      ['name', 'base_url', 'models', 'max_concurrent', 'requests_per_minute', 'tokens_per_minute'],
+    ),
+    '',
+    'Lanes',
+    lanes.length === 0
+      ? '  (none yet: a lane appears with its first request)'
+      : table(lanes, ['id', 'mode', 'upstream', 'model', 'waiting', 'running', 'max_concurrent', 'requests_per_minute', 'tokens_per_minute', 'paused_until', 'next_dispatch_at']),
+  ].join('\n');
+}

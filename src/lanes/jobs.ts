@@ -1,0 +1,22 @@
+// The graphile-worker jobs of requests. A dispatch_lane job wakes a lane: a worker then starts
+// as many of its waiting requests as the lane's limits allow (worker/dispatcher.ts). Accepting a
+// request adds one in the same statement as the row; so does a retry, due when the retry is.
+import * as v from 'valibot';
+
+export const DISPATCH_LANE = 'dispatch_lane';
+
+export const DispatchLanePayload = v.object({
+  lane_id: v.pipe(v.union([v.string(), v.number()]), v.transform(String), v.regex(/^\d{1,18}$/)),
+});
+export type DispatchLanePayload = v.InferOutput<typeof DispatchLanePayload>;
+
+/**
+ * The job that named one attempt of one request, before requests waited in lanes. One left
+ * in the queue by an earlier version wakes the request's lane instead.
+ */
+export const PROCESS_REQUEST = 'process_request';
+
+export const ProcessRequestPayload = v.object({
+  request_id: v.pipe(v.string(), v.regex(/^req_[A-Za-z0-9]{20,40}$/)),
+});
+export type ProcessRequestPayload = v.InferOutput<typeof ProcessRequestPayload>;

@@ -1,0 +1,169 @@
+// Running one attempt that a dispatch started (worker/dispatcher.ts): call the lane's upstream
+// (the simulator in test mode) with no database connection held, then record how it ended:
+// completed with its usage, failed, or retrying, when the lane is dispatched again for it. An
+// upstream 429 also pauses the whole lane. The outcomes of attempts that end at about the same
+// time are written together (db/batcher.ts): one statement and one commit for all of them.
+// An attempt cut short by a shutdown after SHUTDOWN_GRACE_MS, or whose worker died (found by
+// the supervisor's sweep), is recorded as worker_lost and retried at once. Every statement rides
+// out a short database outage, so an answer already paid for is not thrown away.
+import type { Config } from '../config.ts';
+import { Batcher } from '../db/batcher.ts';
+import { errorSummary, type Db } from '../db/pool.ts';
+import { whileUnavailable } from '../db/retry.ts';
+import type { KeyMode } from '../ids.ts';
+import type { StartedAttempt } from '../lanes/repository.ts';
+import type { Upstream } from '../lanes/upstreams.ts';
+import type { Logger } from '../logger.ts';
+import type { Metrics } from '../metrics.ts';
+import * as repository from '../requests/repository.ts';
+import type { AttemptFailure, Finish } from '../requests/repository.ts';
+import { callOpenAiCompatible } from '../upstream/openai.ts';
+import { ATTEMPT_ERRORS, type AttemptOutcome } from '../upstream/outcome.ts';
+import { simulate } from '../upstream/simulator.ts';
+import { retryDelay } from './backoff.ts';
+
+export interface AttemptDeps {
+  db: Db;
+  config: Pick<Config, 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs'>;
+  metrics: Metrics;
+  logger: Logger;
+  /** Called after a request reached completed or failed, to wake waiters in this process. */
+  onFinished?: (id: string) => void;
+}
+
+/** Where an attempt's call goes: a lane's upstream, or the simulator for a test-mode lane. */
+export interface CallTarget {
+  mode: KeyMode;
+  /** undefined: the simulator. */
+  upstream: Upstream | undefined;
+  /** The model as a metrics label: bounded by the configuration, never a client's free text. */
+  modelLabel: string;
+}
+
+/** Why a call was aborted (AbortController.abort's reason). */
+export const ABORTED_BY_SHUTDOWN = 'shutdown';
+export const ABORTED_BY_TIMEOUT = 'timeout';
+
+/** What became of a request once its attempt was recorded; stale: another worker had taken it over. */
+export type Recorded = { status: 'completed'; result: string } | { status: 'failed' | 'retrying' | 'stale' };
+
+/** An attempt left running by a worker that died. */
+export interface LostAttempt {
+  id: string;
+  attempt: number;
+  mode: KeyMode;
+}
+
+export interface Attempts {
+  /** Calls the upstream with no database connection held, then records the outcome. Never rejects. */
+  run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded>;
+  /** Records attempts whose worker died as worker_lost (and retries them, attempts left). */
+  recover(lost: readonly LostAttempt[]): Promise<void>;
+}
+
+// How long a statement is retried while the database is unreachable.
+const OUTAGE_PATIENCE_MS = 60_000;
+// Finish statements under way at once (each holds a connection while it runs).
+const GROUP_STATEMENTS_IN_FLIGHT = 2;
+
+export function createAttempts(deps: AttemptDeps): Attempts {
+  const log = deps.logger.child({ component: 'worker' });
+  const finishes = new Batcher<Finish, boolean>((items) => repository.finishAttempts(deps.db, items), {
+    maxInFlight: GROUP_STATEMENTS_IN_FLIGHT,
+    maxBatch: 500,
+  });
+  const record = (finish: Finish) =>
+    whileUnavailable(() => finishes.submit(finish), {
+      maxWaitMs: OUTAGE_PATIENCE_MS,
+      onRetry: (error, delayMs) => log.warn({ err: errorSummary(error), delayMs }, 'database unreachable; retrying'),
+    });
+
+  async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded> {
+    const begun = performance.now();
+    let outcome = await call(target, started, signal);
+    const durationMs = Math.round(performance.now() - begun);
+    if (!outcome.ok && signal.reason === ABORTED_BY_SHUTDOWN) {
+      outcome = { ok: false, code: 'worker_lost', detail: 'the worker shut down before the upstream answered', upstreamStatus: null };
+    }
+    const result = outcome.ok ? 'succeeded' : 'failed';
+    deps.metrics.attempts.inc({ mode: target.mode, outcome: result, code: outcome.ok ? 'none' : outcome.code });
+    deps.metrics.upstreamDuration.observe({ mode: target.mode, outcome: result }, durationMs / 1000);
+    try {
+      if (outcome.ok) {
+        const { usage } = outcome;
+        const done = await record({ kind: 'completed', id: started.id, attempt: started.attempt, result: outcome.result, usage, upstreamStatus: outcome.upstreamStatus, durationMs });
+        if (done) {
+          deps.metrics.countTokens(target, usage);
+          finished(started.id);
+        }
+        log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
+        return done ? { status: 'completed', result: outcome.result } : { status: 'stale' };
+      }
+      const failure = { code: outcome.code, detail: outcome.detail, upstreamStatus: outcome.upstreamStatus, durationMs };
+      return await fail(started.id, started.attempt, failure, outcome.retryAfterMs);
+    } catch (error) {
+      // The database stayed out of reach beyond OUTAGE_PATIENCE_MS: the attempt stays running in
+      // the database, and is recovered as worker_lost if this worker never comes back to it.
+      log.error({ requestId: started.id, err: errorSummary(error) }, 'could not record an attempt');
+      return { status: 'stale' };
+    }
+  }
+
+  async function call(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<AttemptOutcome> {
+    const request = { body: started.body, signal };
+    try {
+      return target.upstream === undefined
+        ? await simulate({ ...request, attempt: started.attempt })
+        : await callOpenAiCompatible({ baseUrl: target.upstream.baseUrl, apiKey: target.upstream.apiKey }, request);
+    } catch (error) {
+      // The callers classify every failure they know; anything else is a bug on our side,
+      // recorded as an invalid response so the request still ends (after its retries).
+      log.error({ requestId: started.id, err: errorSummary(error) }, 'upstream call failed unexpectedly');
+      return { ok: false, code: 'upstream_invalid_response', detail: 'the answer could not be processed', upstreamStatus: null };
+    }
+  }
+
+  async function fail(id: string, attempt: number, failure: AttemptFailure, retryAfterMs?: number): Promise<Recorded> {
+    const retryable = ATTEMPT_ERRORS[failure.code as keyof typeof ATTEMPT_ERRORS]?.retryable ?? false;
+    const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, attempt, retryAfterMs);
+    // A 429 pauses the lane for its retry-after, or for the backoff when it sent none.
+    const pauseMs = failure.code === 'upstream_rate_limited' ? (retryAfterMs ?? delayMs) : undefined;
+    if (retryable && attempt < deps.config.maxAttempts) {
+      const scheduled = await record({ kind: 'retrying', id, attempt, delayMs, pauseMs, ...failure });
+      log.info({ requestId: id, attempt, code: failure.code, delayMs, stale: !scheduled }, 'attempt failed; retry scheduled');
+      return { status: scheduled ? 'retrying' : 'stale' };
+    }
+    const failed = await record({ kind: 'failed', id, attempt, pauseMs, ...failure });
+    if (failed) finished(id);
+    log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
+    return { status: failed ? 'failed' : 'stale' };
+  }
+
+  function finished(id: string): void {
+    try {
+      deps.onFinished?.(id);
+    } catch (error) {
+      // The outcome is committed; a failure to wake local waiters must not fail the attempt
+      // (they also hear the NOTIFY).
+      log.warn({ requestId: id, err: errorSummary(error) }, 'waking local waiters failed');
+    }
+  }
+
+  return {
+    run,
+    async recover(lost) {
+      await Promise.all(
+        lost.map(async ({ id, attempt, mode }) => {
+          log.warn({ requestId: id, attempt }, 'attempt lost with its worker; recording it and retrying');
+          deps.metrics.attempts.inc({ mode, outcome: 'failed', code: 'worker_lost' });
+          await fail(id, attempt, {
+            code: 'worker_lost',
+            detail: 'the worker running this attempt stopped before recording its outcome',
+            upstreamStatus: null,
+            durationMs: null,
+          });
+        }),
+      );
+    },
+  };
+}

@@ -1,0 +1,117 @@
+// The hot statements keep to the indexes whatever the tables held when they were planned: a
+// connection that planned the claim (gateway.claim_lane's statements) and the finish while the
+// tables were nearly empty, and kept those plans (no analyze runs where autovacuum is off, and
+// no REPLAN_EVERY comes between: db/pool.ts), scans neither table whole once they have grown.
+import { sql } from 'kysely';
+import type pg from 'pg';
+import t, { type Test } from 'tap';
+import { createDb, createPool, type Db } from '../../src/db/pool.ts';
+import { createLogger } from '../../src/logger.ts';
+import { claimLane } from '../../src/lanes/repository.ts';
+import { finishAttempts } from '../../src/requests/repository.ts';
+import { createTestDatabase } from '../helpers/database.ts';
+
+const ROWS = 20_000;
+const GROUP = 8;
+
+t.test('a group claimed and finished after the tables grew does not scan them whole', async (t) => {
+  const url = await createTestDatabase(t);
+  // One connection, so every statement below runs on the one whose plans were made early.
+  const pool = createPool(url, { max: 1, applicationName: 'replanning-test', logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  const db = createDb(pool);
+
+  await pool.query(`
+    with project as (insert into gateway.projects (name) values ('grown') returning id),
+    key as (
+      insert into gateway.api_keys (id, project_id, mode, key_sha256, key_hint, signing_secret_ciphertext)
+      select 'key_grownGrownGrownGrown1', id, 'test', sha256('k'), 'k', '\\x00' from project returning id, project_id
+    )
+    insert into gateway.lanes (mode, upstream, model) values ('test', 'simulator', '*')`);
+
+  // Enough runs of small groups on nearly empty tables for the statements to settle on their
+  // generic plans (and far fewer statements than REPLAN_EVERY).
+  for (let run = 0; run < 10; run++) {
+    await plant(pool, `req_early${String(run).padStart(20, '0')}`, 'queued');
+    const claim = await claimLane(db, LANE, 2, 'w', NO_LIMITS);
+    t.equal(claim.started.length, 1, 'the one queued request is claimed');
+    t.same(
+      await finishAttempts(
+        db,
+        claim.started.map((started) => ({ kind: 'completed', id: started.id, attempt: 1, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
+      ),
+      [true],
+    );
+    const absent = [`req_absent${String(run).padStart(20, '0')}`, `req_absent${String(run + 100).padStart(20, '0')}`];
+    t.same(
+      await finishAttempts(
+        db,
+        absent.map((id) => ({ kind: 'completed', id, attempt: 1, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
+      ),
+      [false, false],
+    );
+  }
+
+  await pool.query(`
+    insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256, lane_id, next_attempt_at)
+    select 'req_grown' || lpad(n::text, 20, '0'), keys.project_id, 'test', keys.id,
+           case when n % 2 = 0 then 'queued' else 'processing' end, 'm', '{}', sha256('b'), ${LANE},
+           case when n % 2 = 0 then now() - interval '1 hour' end
+    from gateway.api_keys as keys, generate_series(1, ${ROWS}) as n`);
+  await pool.query(`
+    update gateway.requests set attempts = 1 where status = 'processing';
+    insert into gateway.request_attempts (request_id, attempt_number)
+    select id, 1 from gateway.requests where status = 'processing'`);
+
+  t.same(
+    await groupScans(t, db, 0),
+    { requests: 0, request_attempts: 0 },
+    `on the plans made early, no sequential scan of the ${ROWS.toLocaleString('en-US')} requests`,
+  );
+});
+
+const LANE = '1';
+const NO_LIMITS = { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined };
+const NO_USAGE = { prompt: null, completion: null, total: null };
+const grown = (n: number) => `req_grown${String(n).padStart(20, '0')}`;
+
+async function plant(pool: pg.Pool, id: string, status: 'queued'): Promise<void> {
+  await pool.query(
+    `insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256, lane_id, next_attempt_at)
+     select $1, project_id, 'test', id, $2, 'm', '{}', sha256('b'), ${LANE}, now() from gateway.api_keys`,
+    [id, status],
+  );
+}
+
+/**
+ * Claims GROUP queued requests and finishes the running attempts of group `index`, in one
+ * transaction on the pool's one connection; returns the sequential scans of each table made.
+ */
+async function groupScans(t: Test, db: Db, index: number): Promise<Record<string, number>> {
+  const group = Array.from({ length: GROUP }, (_, i) => index * GROUP + i + 1);
+  return db.transaction().execute(async (trx) => {
+    // This connection's counts not yet sent to the statistics (those of the statements above
+    // among them) show in pg_stat_xact_user_tables too: what counts is the difference.
+    const seqScans = async () => {
+      const { rows } = await sql<{ relname: string; seq_scan: string }>`
+        select relname, seq_scan from pg_stat_xact_user_tables
+        where schemaname = 'gateway' and relname in ('requests', 'request_attempts')
+      `.execute(trx);
+      return (table: string) => Number(rows.find((row) => row.relname === table)?.seq_scan ?? 0);
+    };
+    const before = await seqScans();
+    const claim = await claimLane(trx, LANE, GROUP, 'w', NO_LIMITS);
+    t.same(
+      claim.started.map((attempt) => attempt.attempt),
+      group.map(() => 1),
+      'a group of queued requests was claimed',
+    );
+    const applied = await finishAttempts(
+      trx,
+      group.map((n) => ({ kind: 'completed', id: grown(2 * n - 1), attempt: 1, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
+    );
+    t.same(applied, group.map(() => true), 'every running attempt of the group was finished');
+    const after = await seqScans();
+    return Object.fromEntries(['requests', 'request_attempts'].map((table) => [table, after(table) - before(table)]));
+  });
+}

@@ -1,0 +1,65 @@
+// A worker process's in-flight capacity: MAX_IN_FLIGHT live calls at most (the rest wait in
+// their lane, charged nothing), and test-mode calls in capacity of their own, so that test
+// traffic at full load leaves live latency as it was.
+import t from 'tap';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
+import { startLimitedUpstream } from '../helpers/limited-upstream.ts';
+import { until } from '../helpers/wait.ts';
+
+t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, charged nothing', async (t) => {
+  const upstream = await startLimitedUpstream(t, { delayMs: 300 });
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_IN_FLIGHT: '5' } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const answers = await Promise.all(
+    Array.from({ length: 30 }, (_, i) => client.post({ model: 'gpt-x', messages: userMessage(`n${i}`), wait: true })),
+  );
+  t.same(new Set(answers.map((answer) => answer.status)), new Set([200]), 'all 30 completed');
+  t.equal(upstream.peakInFlight(), 5, 'five calls at once, never more');
+  const { rows } = await gateway.pool.query('select count(*)::int as count from gateway.requests where attempts <> 1');
+  t.equal(rows[0].count, 0, 'each in one attempt');
+});
+
+t.test('test traffic at full load leaves live latency unchanged', async (t) => {
+  const upstream = await startLimitedUpstream(t, { delayMs: 200 });
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, TEST_MAX_IN_FLIGHT: '50', MAX_IN_FLIGHT: '50', UPSTREAM_TIMEOUT_MS: '10000' },
+  });
+  const live = clientFor(gateway.url, await gateway.createKey({ project: 'live-project', mode: 'live' }));
+  const test = clientFor(gateway.url, await gateway.createKey({ project: 'test-project', mode: 'test' }));
+  /** 20 live wait=true requests, 5 at a time; each one's latency in ms. */
+  const liveLatencies = async (label: string) => {
+    const latencies: number[] = [];
+    for (let batch = 0; batch < 4; batch++) {
+      await Promise.all(
+        Array.from({ length: 5 }, async (_, i) => {
+          const started = performance.now();
+          const answer = await live.post({ model: 'gpt-x', messages: userMessage(`${label} ${batch} ${i}`), wait: true });
+          if (answer.status !== 200) throw new Error(`live request not completed: ${answer.text}`);
+          latencies.push(performance.now() - started);
+        }),
+      );
+    }
+    return latencies.sort((a, b) => a - b);
+  };
+
+  const quiet = await liveLatencies('quiet');
+  // The test lane filled: 50 simulated calls of 5 s in flight (its whole capacity), 450 waiting.
+  const flood = await Promise.all(
+    Array.from({ length: 500 }, (_, i) => test.post({ model: 'test-delay-5000', messages: userMessage(`flood ${i}`) })),
+  );
+  t.same(new Set(flood.map((answer) => answer.status)), new Set([202]), 'the test flood accepted');
+  await until(async () => {
+    const { rows } = await gateway.pool.query(`select count(*)::int as count from gateway.requests where mode = 'test' and status = 'processing'`);
+    return rows[0].count === 50;
+  }, 'the test capacity full', 10_000);
+  const loaded = await liveLatencies('loaded');
+  const { rows } = await gateway.pool.query(`select count(*)::int as count from gateway.requests where mode = 'test' and status = 'processing'`);
+  t.equal(rows[0].count, 50, 'the test capacity stayed full throughout');
+
+  const median = (values: number[]) => values[Math.floor(values.length / 2)]!;
+  t.comment(`live latency, quiet: median ${median(quiet).toFixed(0)} ms, max ${quiet.at(-1)!.toFixed(0)} ms; with the test lane full: median ${median(loaded).toFixed(0)} ms, max ${loaded.at(-1)!.toFixed(0)} ms`);
+  // The live calls take 200 ms upstream; waiting behind the test traffic would add seconds.
+  t.ok(median(loaded) < median(quiet) + 100, 'the median live latency is unchanged (within 100 ms)');
+  t.ok(loaded.at(-1)! < 1_000, 'and no live request waited for the test traffic');
+});

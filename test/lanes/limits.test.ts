@@ -1,0 +1,185 @@
+// Lanes against an upstream that enforces limits of its own (test/helpers/limited-upstream.ts),
+// with the same limits in UPSTREAMS_FILE, one API and two worker processes sharing a database:
+// the limits hold across both workers, a burst takes about the time the limits allow, projects
+// take turns, and a 429 silences the lane in both processes.
+import { mkdtemp, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import t, { type Test } from 'tap';
+import type { CreatedKey } from '../../src/keys/service.ts';
+import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
+import { clientFor } from '../helpers/http.ts';
+import { startLimitedUpstream, type Limits, type LimitedUpstream } from '../helpers/limited-upstream.ts';
+import { spawnServe } from '../helpers/serve.ts';
+import { until } from '../helpers/wait.ts';
+
+interface Setup {
+  api: TestGateway;
+  upstream: LimitedUpstream;
+  key(project: string): Promise<CreatedKey>;
+  /** Submits `count` wait=false requests of a project at once; resolves with their ids once all are accepted. */
+  submit(key: CreatedKey, count: number, label: string): Promise<string[]>;
+  /** When each request finished (ms since the epoch), once all have. */
+  finished(ids: string[], timeoutMs: number): Promise<Map<string, number>>;
+}
+
+/** The upstream, an API process (in this test's process) and two worker processes, all with `limits`. */
+async function setUp(t: Test, limits: Limits, delayMs: number): Promise<Setup> {
+  const upstream = await startLimitedUpstream(t, { limits, delayMs });
+  const directory = await mkdtemp(path.join(tmpdir(), 'gateway-lanes-'));
+  const file = path.join(directory, 'upstreams.json');
+  await writeFile(
+    file,
+    JSON.stringify({
+      upstreams: [
+        {
+          name: 'limited',
+          base_url: upstream.baseUrl,
+          models: ['limited-*'],
+          limits: {
+            ...(limits.maxConcurrent ? { max_concurrent: limits.maxConcurrent } : {}),
+            ...(limits.requestsPerMinute ? { requests_per_minute: limits.requestsPerMinute } : {}),
+          },
+        },
+      ],
+    }),
+  );
+  const api = await startTestGateway(t, { role: 'api', env: { UPSTREAMS_FILE: file } });
+  const env = {
+    DATABASE_URL: api.databaseUrl,
+    UPSTREAMS_FILE: file,
+    PORT: '0',
+    HOST: '127.0.0.1',
+    LOG_LEVEL: 'info',
+    WORKER_POLL_INTERVAL_MS: '50',
+    UPSTREAM_TIMEOUT_MS: '10000',
+    RETRY_BASE_MS: '10',
+    RETRY_MAX_MS: '40',
+  };
+  for (const worker of [spawnServe(t, env, ['--role', 'worker']), spawnServe(t, env, ['--role', 'worker'])]) {
+    await until(() => worker.output().includes('worker pool started'), () => `a worker process:\n${worker.output()}`, 15_000);
+  }
+  return {
+    api,
+    upstream,
+    key: (project) => api.createKey({ project, mode: 'live' }),
+    async submit(key, count, label) {
+      const client = clientFor(api.url, key);
+      const answers = await Promise.all(
+        Array.from({ length: count }, (_, i) =>
+          client.post({ model: 'limited-model', messages: [{ role: 'user', content: `${label} ${i}` }] }),
+        ),
+      );
+      for (const answer of answers) if (answer.status !== 202) throw new Error(`not accepted: ${answer.text}`);
+      return answers.map((answer) => answer.body.id as string);
+    },
+    async finished(ids, timeoutMs) {
+      let rows: { id: string; status: string; finished_at: Date | null }[] = [];
+      let debugState = '';
+      await until(
+        async () => {
+          rows = await api.db
+            .selectFrom('requests')
+            .select(['id', 'status', 'finished_at'])
+            .where('id', 'in', ids)
+            .execute();
+          const lanes = (await api.pool.query('select * from gateway.lanes')).rows;
+          const jobs = (await api.pool.query('select id, task_identifier, run_at, locked_at, locked_by, key, attempts, last_error from graphile_worker.jobs')).rows;
+          debugState = JSON.stringify({ now: new Date(), lanes, jobs, statuses: rows.map((r) => r.status) });
+          return rows.every((row) => row.finished_at !== null);
+        },
+        () => `all ${ids.length} finished; ${rows.filter((row) => row.finished_at === null).length} not yet; DEBUG ${debugState}`,
+        timeoutMs,
+      );
+      return new Map(rows.map((row) => [row.id, row.finished_at!.getTime()]));
+    },
+  };
+}
+
+async function workerIds(api: TestGateway, ids: string[]): Promise<Set<string>> {
+  const rows = await api.db.selectFrom('request_attempts').select('worker_id').where('request_id', 'in', ids).execute();
+  return new Set(rows.map((row) => row.worker_id!));
+}
+
+t.test('with the upstream\'s own limits configured, a burst takes about the time they allow, and never a 429', async (t) => {
+  const limits = { requestsPerMinute: 600, maxConcurrent: 4 };
+  const delayMs = 200;
+  const setup = await setUp(t, limits, delayMs);
+  const key = await setup.key('burst');
+  const started = Date.now();
+  const ids = await setup.submit(key, 80, 'burst');
+  const finished = await setup.finished(ids, 60_000);
+  const elapsedMs = Math.max(...finished.values()) - started;
+
+  // 10 calls a second, a bucket of 10 to start with, 4 at once for 200 ms each (20 a second):
+  // the rate is what binds. The last call starts (80 - 10) / 10 s after the first, and takes 200 ms.
+  const allowedMs = ((80 - 10) / 10) * 1000 + delayMs;
+  t.same(setup.upstream.refused, { rate: 0, concurrency: 0, told: 0 }, 'the upstream answered no 429');
+  t.equal(setup.upstream.calls.length, 80, 'one call per request');
+  t.ok(setup.upstream.peakInFlight() <= limits.maxConcurrent, `at most ${limits.maxConcurrent} calls at once (${setup.upstream.peakInFlight()})`);
+  t.ok(elapsedMs <= allowedMs * 1.25, `finished in ${elapsedMs} ms, within 25 % of the ${allowedMs} ms the limits allow`);
+  const rows = await setup.api.db.selectFrom('requests').select(['status', 'attempts']).where('id', 'in', ids).execute();
+  t.ok(rows.every((row) => row.status === 'completed' && row.attempts === 1), 'all completed, none charged an attempt for waiting');
+  t.equal((await workerIds(setup.api, ids)).size, 2, 'both worker processes ran some of them');
+});
+
+t.test('one project\'s burst does not delay another project\'s requests behind it', async (t) => {
+  const setup = await setUp(t, { maxConcurrent: 4 }, 250);
+  const big = await setup.key('big');
+  const small = await setup.key('small');
+  const burst = await setup.submit(big, 200, 'big');
+  const smallSubmitted = Date.now();
+  const few = await setup.submit(small, 10, 'small');
+  const smallFinished = await setup.finished(few, 30_000);
+  const smallDoneAt = Math.max(...smallFinished.values());
+
+  // 4 calls of 250 ms at once: 16 a second. Taking turns, the 10 go out within 20 calls (about
+  // 1.3 s); behind the burst they would wait its 12.5 s.
+  const waitedMs = smallDoneAt - smallSubmitted;
+  t.ok(waitedMs < 3_000, `the small project's 10 finished ${waitedMs} ms after they were sent`);
+  const bigFinished = await setup.finished(burst, 60_000);
+  const bigBefore = [...bigFinished.values()].filter((at) => at <= smallDoneAt).length;
+  t.ok(bigBefore < 40, `only ${bigBefore} of the burst finished before them`);
+  t.equal(setup.upstream.refused.concurrency, 0, 'and max_concurrent held: no 429');
+});
+
+t.test('a 429 with retry-after silences the lane in both worker processes for that long', async (t) => {
+  const setup = await setUp(t, { maxConcurrent: 4 }, 100);
+  const key = await setup.key('paused');
+  // A request every 100 ms for 4.5 s: each wakes the lane through a job that either worker may
+  // fetch, so both run the lane before the 429 and after its pause. The 429 (retry-after 2)
+  // comes about a second in.
+  const waves: Promise<string[]>[] = [];
+  for (let wave = 0; wave < 45; wave++) {
+    if (wave === 10) setup.upstream.refuseNext(2);
+    waves.push(setup.submit(key, 1, `wave ${wave}`));
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+  const ids = (await Promise.all(waves)).flat();
+  await setup.finished(ids, 30_000);
+  const refused = setup.upstream.calls.find((call) => call.status === 429);
+  t.ok(refused, 'the upstream answered one 429');
+  const refusedAt = refused!.answeredAt!;
+
+  // Calls already under way when the 429 came may still arrive in its first moments.
+  const during = setup.upstream.calls.filter((call) => call.arrivedAt > refusedAt + 150 && call.arrivedAt < refusedAt + 1_900);
+  t.equal(during.length, 0, 'no call reached the upstream during the retry-after');
+
+  // Which worker made each call: its request (by the message it carried), its attempt's worker.
+  const attempts = await setup.api.db
+    .selectFrom('request_attempts')
+    .select(['request_id', 'attempt_number', 'worker_id'])
+    .where('request_id', 'in', ids)
+    .execute();
+  const workerOf = (content: string) => {
+    const id = ids[Number(/^wave (\d+) /.exec(content)![1])];
+    return attempts.find((attempt) => attempt.request_id === id)!.worker_id;
+  };
+  const workers = (calls: typeof setup.upstream.calls) => new Set(calls.map((call) => workerOf(call.content))).size;
+  t.equal(workers(setup.upstream.calls.filter((call) => call.arrivedAt < refusedAt)), 2, 'both workers called the upstream before the 429');
+  t.equal(workers(setup.upstream.calls.filter((call) => call.arrivedAt >= refusedAt + 1_900)), 2, 'and both after its pause');
+
+  const rows = await setup.api.db.selectFrom('requests').select(['status', 'attempts', 'last_error_code']).where('id', 'in', ids).execute();
+  t.ok(rows.every((row) => row.status === 'completed'), 'every request completed');
+  t.same(rows.filter((row) => row.attempts !== 1), [{ status: 'completed', attempts: 2, last_error_code: 'upstream_rate_limited' }], 'the one that got the 429 on its retry');
+});

@@ -1,0 +1,327 @@
+// Intake limits (CONTRACT.md section 10): RATE_LIMIT_RPS per key with its burst, held across API
+// processes through gateway.intake_counters; lookups in a bucket of their own;
+// MAX_UNFINISHED_PER_PROJECT per project and mode; and decisions that go on when the database
+// cannot be reached.
+import { createHash, randomBytes } from 'node:crypto';
+import { setTimeout as sleep } from 'node:timers/promises';
+import type pg from 'pg';
+import t, { type Test } from 'tap';
+import { createDb, createPool, type Db } from '../../src/db/pool.ts';
+import { ApiError } from '../../src/errors.ts';
+import { newRequestId, randomBase62, type KeyMode } from '../../src/ids.ts';
+import type { Auth } from '../../src/keys/service.ts';
+import { createLogger } from '../../src/logger.ts';
+import { IntakeLimits, intakeLimitsFor, type IntakeConfig, type IntakeLimit } from '../../src/requests/intake.ts';
+import { createTestDatabase } from '../helpers/database.ts';
+import { freePort } from '../helpers/ports.ts';
+import { until } from '../helpers/wait.ts';
+
+const silent = createLogger({ logLevel: 'silent' });
+
+const limitsOf = (overrides: Partial<IntakeConfig>): IntakeConfig => ({
+  rateLimitRps: undefined,
+  lookupRateLimitRps: undefined,
+  maxUnfinishedPerProject: undefined,
+  ...overrides,
+});
+
+/** A pool and kysely instance on `url`, as one API process has them. */
+function connect(t: Test, url: string): { pool: pg.Pool; db: Db } {
+  const pool = createPool(url, { max: 4, applicationName: 'intake-test', logger: silent });
+  t.teardown(() => pool.end());
+  return { pool, db: createDb(pool) };
+}
+
+async function setup(t: Test) {
+  const url = await createTestDatabase(t);
+  return { url, ...connect(t, url) };
+}
+
+/** A key of `project` (created if need be), as authentication would give it. */
+async function plantKey(pool: pg.Pool, project: string, mode: KeyMode): Promise<Auth> {
+  const { rows } = await pool.query<{ id: string }>(
+    `insert into gateway.projects (name) values ($1)
+     on conflict (name) do update set name = excluded.name returning id`,
+    [project],
+  );
+  const keyId = `key_${randomBase62(24)}`;
+  const ciphertext = Buffer.from('not a real ciphertext');
+  await pool.query(
+    `insert into gateway.api_keys (id, project_id, mode, key_sha256, key_hint, signing_secret_ciphertext)
+     values ($1, $2, $3, $4, 'hint', $5)`,
+    [keyId, rows[0]!.id, mode, randomBytes(32), ciphertext],
+  );
+  return { keyId, projectId: rows[0]!.id, mode, signingSecretCiphertext: ciphertext };
+}
+
+/** Stores `count` queued requests of the key's project and mode; returns their ids. */
+async function plantUnfinished(pool: pg.Pool, auth: Auth, count: number): Promise<string[]> {
+  const ids: string[] = [];
+  for (let i = 0; i < count; i++) {
+    const id = newRequestId();
+    const body = JSON.stringify({ model: 'test-model', messages: [{ role: 'user', content: `planted ${i}` }] });
+    await pool.query(
+      `insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256)
+       values ($1, $2, $3, $4, 'queued', 'test-model', $5::json, $6)`,
+      [id, auth.projectId, auth.mode, auth.keyId, body, createHash('sha256').update(body).digest()],
+    );
+    ids.push(id);
+  }
+  return ids;
+}
+
+async function finish(pool: pg.Pool, ids: string[]): Promise<void> {
+  await pool.query(
+    `update gateway.requests set status = 'completed', result = '{"object":"chat.completion","choices":[]}'::json,
+       finished_at = now(), updated_at = now()
+     where id = any($1)`,
+    [ids],
+  );
+}
+
+/** The refusal `admit` throws, or undefined when it admits. */
+function refusalOf(admit: () => void): ApiError | undefined {
+  try {
+    admit();
+    return undefined;
+  } catch (error) {
+    if (error instanceof ApiError) return error;
+    throw error;
+  }
+}
+
+function isRateLimitRefusal(error: ApiError | undefined): boolean {
+  return (
+    error !== undefined &&
+    error.status === 429 &&
+    error.type === 'rate_limit_error' &&
+    error.code === 'rate_limit_exceeded' &&
+    Number.isInteger(error.retryAfter) &&
+    error.retryAfter! >= 1
+  );
+}
+
+function started(t: Test, limits: IntakeLimits): IntakeLimits {
+  limits.start();
+  t.teardown(() => limits.stop());
+  return limits;
+}
+
+t.test('with no limit set, intakeLimitsFor gives nothing to check', async (t) => {
+  const { db } = await setup(t);
+  t.equal(intakeLimitsFor(db, limitsOf({})), undefined);
+  t.type(intakeLimitsFor(db, limitsOf({ maxUnfinishedPerProject: 10 })), IntakeLimits);
+  t.type(intakeLimitsFor(db, limitsOf({ rateLimitRps: 10, lookupRateLimitRps: 100 })), IntakeLimits);
+});
+
+t.test('right after start, a key gets a burst of twice its rate at once, then a 429 with retry-after', async (t) => {
+  const { pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'bursting', 'test');
+  const refused: [KeyMode, IntakeLimit][] = [];
+  const limits = started(
+    t,
+    new IntakeLimits(db, limitsOf({ rateLimitRps: 10 }), { onRefused: (mode, limit) => refused.push([mode, limit]) }),
+  );
+
+  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth)));
+  t.same(burst.filter(Boolean), [], 'the first 20 are admitted');
+  const refusal = refusalOf(() => limits.admitSubmission(auth));
+  t.ok(isRateLimitRefusal(refusal), 'the 21st is refused with 429 rate_limit_exceeded');
+  t.equal(refusal?.retryAfter, 1, 'a token comes back within a second');
+  t.match(refusal?.message, /rate limit of 10 requests per second; retry after 1 s/);
+  t.same(refused, [['test', 'rate']], 'the refusal is counted');
+});
+
+t.test('lookups have a bucket of their own: a key out of submissions can still look up', async (t) => {
+  const { pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'looking', 'live');
+  const refused: IntakeLimit[] = [];
+  const limits = started(
+    t,
+    new IntakeLimits(db, limitsOf({ rateLimitRps: 10, lookupRateLimitRps: 100 }), {
+      onRefused: (_mode, limit) => refused.push(limit),
+    }),
+  );
+
+  for (let i = 0; i < 20; i++) limits.admitSubmission(auth);
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth))), 'submissions are exhausted');
+  const lookups = Array.from({ length: 200 }, () => refusalOf(() => limits.admitLookup(auth)));
+  t.same(lookups.filter(Boolean), [], 'all 200 lookups of the lookup burst are admitted');
+  const refusal = refusalOf(() => limits.admitLookup(auth));
+  t.ok(isRateLimitRefusal(refusal), 'the lookup burst has its own end');
+  t.match(refusal?.message, /lookup rate limit of 100 lookups per second/);
+  t.same(refused, ['rate', 'lookup_rate']);
+});
+
+t.test('what another process admitted is taken from this one\'s bucket at its next sync', async (t) => {
+  const { pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'shared', 'test');
+  const config = limitsOf({ rateLimitRps: 10 });
+  // Not started: every sync below is explicit.
+  const first = new IntakeLimits(db, config);
+  const second = new IntakeLimits(db, config);
+  t.teardown(() => Promise.all([first.stop(), second.stop()]));
+
+  first.admitSubmission(auth);
+  await first.sync(); // reports 1; the second has admitted nothing yet
+  for (let i = 0; i < 20; i++) second.admitSubmission(auth);
+  await second.sync(); // reports 20; takes the first's 1 from its bucket
+  t.ok(isRateLimitRefusal(refusalOf(() => second.admitSubmission(auth))), 'the second has spent the burst');
+  t.notOk(refusalOf(() => first.admitSubmission(auth)), 'until it syncs, the first knows nothing of it');
+  await first.sync();
+  const refusal = refusalOf(() => first.admitSubmission(auth));
+  t.ok(isRateLimitRefusal(refusal), 'after its sync, the first refuses too');
+
+  const { rows } = await pool.query(
+    'select process_id, admitted from gateway.intake_counters where api_key_id = $1 order by admitted',
+    [auth.keyId],
+  );
+  t.same(
+    rows.map((row) => [row.process_id, Number(row.admitted)]),
+    [
+      [first.processId, 2],
+      [second.processId, 20],
+    ],
+    'each process has its count in gateway.intake_counters',
+  );
+});
+
+t.test('two API processes sharing a key at 4x its rate admit, together, what RATE_LIMIT_RPS allows, within 10 %', async (t) => {
+  const { url, pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'busy', 'live');
+  const rate = 100;
+  const config = limitsOf({ rateLimitRps: rate });
+  // Each process with its own pool, as separate API processes have.
+  const processes = [new IntakeLimits(db, config), new IntakeLimits(connect(t, url).db, config)];
+  for (const limits of processes) started(t, limits);
+
+  const admittedBy = [0, 0];
+  const refusals: (ApiError | undefined)[] = [];
+  const offerPerSecond = 4 * rate;
+  const start = performance.now();
+  let offered = 0;
+  let lastOfferAt = 0;
+  for (;;) {
+    const elapsed = performance.now() - start;
+    if (elapsed >= 3_000) break;
+    // Offered evenly over time, alternately to each process.
+    for (const due = Math.floor((elapsed * offerPerSecond) / 1000) + 1; offered < due; offered++) {
+      const which = offered % 2;
+      const refusal = refusalOf(() => processes[which]!.admitSubmission(auth));
+      if (refusal) refusals.push(refusal);
+      else admittedBy[which]!++;
+      lastOfferAt = elapsed;
+    }
+    await sleep(2);
+  }
+
+  const admitted = admittedBy[0]! + admittedBy[1]!;
+  const allowed = 2 * rate + (rate * lastOfferAt) / 1000;
+  const error = (admitted - allowed) / allowed;
+  t.comment(
+    `offered ${offered} over ${(lastOfferAt / 1000).toFixed(2)} s; admitted ${admitted} ` +
+      `(${admittedBy.join(' + ')}); allowed ${allowed.toFixed(0)}; ${(100 * error).toFixed(1)} %`,
+  );
+  t.ok(Math.abs(error) <= 0.1, `admitted ${admitted} within 10 % of the ${allowed.toFixed(0)} allowed`);
+  t.ok(admittedBy.every((count) => count > rate / 2), 'both processes admitted their share');
+  t.equal(refusals.length, offered - admitted);
+  t.ok(refusals.every(isRateLimitRefusal), 'every refusal is a 429 rate_limit_exceeded with a retry-after of at least 1 s');
+
+  await Promise.all(processes.map((limits) => limits.sync()));
+  const { rows } = await pool.query('select sum(admitted) as admitted from gateway.intake_counters where api_key_id = $1', [
+    auth.keyId,
+  ]);
+  t.equal(Number(rows[0].admitted), admitted, 'the counters add up to what was admitted');
+});
+
+t.test('MAX_UNFINISHED_PER_PROJECT refuses a project and mode at its limit until requests finish', async (t) => {
+  const { pool, db } = await setup(t);
+  const key = await plantKey(pool, 'backlogged', 'test');
+  const liveKey = await plantKey(pool, 'backlogged', 'live');
+  const otherProject = await plantKey(pool, 'quiet', 'test');
+  const ids = await plantUnfinished(pool, key, 3);
+  await finish(pool, await plantUnfinished(pool, key, 2)); // finished ones do not count
+  const refused: IntakeLimit[] = [];
+  const syncMs = 50;
+  const limits = started(
+    t,
+    new IntakeLimits(db, limitsOf({ maxUnfinishedPerProject: 3 }), { syncMs, onRefused: (_mode, limit) => refused.push(limit) }),
+  );
+
+  // A project this process has not counted yet is admitted until its count arrives.
+  t.notOk(refusalOf(() => limits.admitSubmission(key)));
+  await limits.sync();
+  const refusal = refusalOf(() => limits.admitSubmission(key));
+  t.ok(isRateLimitRefusal(refusal), 'refused with 429 rate_limit_exceeded once its 3 unfinished requests are counted');
+  t.equal(refusal?.retryAfter, 1);
+  t.match(refusal?.message, /This project has 3 test requests not yet finished, its limit \(MAX_UNFINISHED_PER_PROJECT\)/);
+  t.same(refused, ['unfinished']);
+  t.notOk(refusalOf(() => limits.admitSubmission(liveKey)), 'the same project in the other mode is admitted');
+  t.notOk(refusalOf(() => limits.admitSubmission(otherProject)), 'another project is admitted');
+
+  await finish(pool, ids.slice(0, 2));
+  await sleep(10 * syncMs); // the periodic sync counts again
+  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'admitted again once two have finished');
+  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'and a second, counted by this process since');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key))), 'the third would be over the limit');
+});
+
+t.test('stale counters are deleted by a sync, and a process deletes its own when it stops', async (t) => {
+  const { pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'tidy', 'test');
+  await pool.query(
+    `insert into gateway.intake_counters (api_key_id, kind, process_id, admitted, updated_at)
+     values ($1, 'submit', 'api-gone-1-x', 40, now() - interval '2 minutes'),
+            ($1, 'lookup', 'api-alive-2-y', 7, now())`,
+    [auth.keyId],
+  );
+  const limits = new IntakeLimits(db, limitsOf({ rateLimitRps: 10, lookupRateLimitRps: 100 }));
+  limits.start();
+  for (let i = 0; i < 3; i++) limits.admitSubmission(auth);
+  limits.admitLookup(auth);
+  await limits.sync();
+  const counters = async () =>
+    (
+      await pool.query('select process_id, kind, admitted from gateway.intake_counters order by process_id, kind')
+    ).rows.map((row) => `${row.process_id} ${row.kind} ${row.admitted}`);
+  t.same(await counters(), [`api-alive-2-y lookup 7`, `${limits.processId} lookup 1`, `${limits.processId} submit 3`].sort());
+  await limits.stop();
+  t.same(await counters(), ['api-alive-2-y lookup 7']);
+});
+
+t.test('keys and projects not seen for a while are forgotten', async (t) => {
+  const { pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'fleeting', 'test');
+  // 50 syncs of 10 ms: forgotten after half a second of quiet.
+  const limits = started(
+    t,
+    new IntakeLimits(db, limitsOf({ rateLimitRps: 100, lookupRateLimitRps: 1000, maxUnfinishedPerProject: 10 }), { syncMs: 10 }),
+  );
+  limits.admitSubmission(auth);
+  limits.admitLookup(auth);
+  t.equal(limits.size, 3, 'two buckets and a project');
+  await until(() => limits.size === 0, 'the key and the project are forgotten', 3_000);
+});
+
+t.test('a database out of reach does not fail admissions: they are decided locally, and the failure is logged once', async (t) => {
+  const port = await freePort();
+  const lines: string[] = [];
+  const logger = createLogger({ logLevel: 'debug' }, { write: (line: string) => void lines.push(line) });
+  const pool = createPool(`postgres://postgres@127.0.0.1:${port}/nowhere`, { max: 2, applicationName: 'intake-test', logger });
+  t.teardown(() => pool.end());
+  const auth: Auth = { keyId: `key_${randomBase62(24)}`, projectId: '1', mode: 'test', signingSecretCiphertext: Buffer.alloc(1) };
+  const limits = started(
+    t,
+    new IntakeLimits(createDb(pool), limitsOf({ rateLimitRps: 10, maxUnfinishedPerProject: 100 }), { logger, syncMs: 20 }),
+  );
+
+  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth)));
+  t.same(burst.filter(Boolean), [], 'the burst is admitted');
+  await until(() => lines.filter((line) => line.includes('"intake limits still not synchronised"')).length >= 4, 'several failed syncs');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth))), 'the local bucket still refuses the 21st');
+  const warnings = lines.filter((line) => line.includes('"level":"warn"') && line.includes('could not synchronise the intake limits'));
+  t.equal(warnings.length, 2, 'one warning for each statement failing (counters, unfinished), however often it fails');
+  await sleep(200);
+  t.notOk(refusalOf(() => limits.admitSubmission(auth)), 'the bucket refills meanwhile');
+  await limits.stop();
+});
