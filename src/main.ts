@@ -56,6 +56,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   let server: http.Server | undefined;
   let worker: WorkerService | undefined;
   let intake: IntakeLimits | undefined;
+  let attempts: Attempts | undefined;
   const metrics = new Metrics();
 
   const stop = async () => {
@@ -70,6 +71,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     }
     waiters?.close();
     await attemptsStopped;
+    await attempts?.close();
     await intake?.stop();
     await listener?.close();
     await workerPool?.end();
@@ -80,7 +82,6 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     // The worker's side first (it opens no connection yet): the API of the same process
     // dispatches the requests it accepts on it.
     let workerDb: Db | undefined;
-    let attempts: Attempts | undefined;
     let dispatcher: Dispatcher | undefined;
     if (role !== 'api') {
       workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });

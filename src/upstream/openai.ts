@@ -1,9 +1,14 @@
-// Live mode: POST {UPSTREAM_BASE_URL}/chat/completions on any OpenAI-compatible provider.
+// Live mode: POST {base_url}/chat/completions on any OpenAI-compatible provider, through
+// undici's request API: thousands of calls stay in flight at once, and fetch (undici too, under
+// WHATWG streams and Response objects) cost twice the CPU and memory per call (BENCHMARKS.md).
+import { Agent, request } from 'undici';
 import type { AttemptOutcome } from './outcome.ts';
 import { checkCompletion, failedWithStatus } from './outcome.ts';
 
 // A chat completion is a few kilobytes; anything this large is not one.
 const MAX_RESPONSE_BYTES = 16 * 1024 * 1024;
+// Idle connections kept for the next calls this long (a busy upstream reuses them at once).
+const KEEP_ALIVE_MS = 10_000;
 
 export interface UpstreamCall {
   /** JSON text of the request body. */
@@ -17,57 +22,73 @@ export interface OpenAiOptions {
   apiKey: string | undefined;
 }
 
-export async function callOpenAiCompatible(options: OpenAiOptions, call: UpstreamCall): Promise<AttemptOutcome> {
-  const headers: Record<string, string> = { 'content-type': 'application/json', accept: 'application/json' };
-  if (options.apiKey) headers.authorization = `Bearer ${options.apiKey}`;
-  let response: Response;
-  try {
-    response = await fetch(`${options.baseUrl}/chat/completions`, {
-      method: 'POST',
-      headers,
-      body: call.body,
-      signal: call.signal,
-      redirect: 'manual',
-    });
-  } catch (error) {
-    return connectionFailure(error, call.signal);
-  }
-  if (response.status < 200 || response.status >= 300) {
-    await response.body?.cancel().catch(() => {});
-    return failedWithStatus(response.status, parseRetryAfter(response.headers.get('retry-after')));
-  }
-  let text: string;
-  try {
-    const read = await readLimited(response);
-    if (read === undefined) {
+/** The connections of a worker's calls: as many per upstream as calls in flight, kept alive between them. */
+export class UpstreamClient {
+  readonly #agent = new Agent({
+    connections: null,
+    keepAliveTimeout: KEEP_ALIVE_MS,
+    // The call's own signal ends it (UPSTREAM_TIMEOUT_MS); LLM answers take minutes at times.
+    headersTimeout: 0,
+    bodyTimeout: 0,
+  });
+
+  async call(options: OpenAiOptions, call: UpstreamCall): Promise<AttemptOutcome> {
+    const headers: Record<string, string> = { 'content-type': 'application/json', accept: 'application/json' };
+    if (options.apiKey) headers.authorization = `Bearer ${options.apiKey}`;
+    let response: Awaited<ReturnType<typeof request>>;
+    try {
+      response = await request(`${options.baseUrl}/chat/completions`, {
+        method: 'POST',
+        headers,
+        body: call.body,
+        signal: call.signal,
+        dispatcher: this.#agent,
+      });
+    } catch (error) {
+      return connectionFailure(error, call.signal);
+    }
+    const status = response.statusCode;
+    if (status < 200 || status >= 300) {
+      // Read (up to a limit) and dropped, so that the connection can carry the next call.
+      await response.body.dump({ limit: 64 * 1024 }).catch(() => {});
+      return failedWithStatus(status, parseRetryAfter(header(response.headers['retry-after'])));
+    }
+    let text: string | undefined;
+    try {
+      text = await readLimited(response.body);
+    } catch (error) {
+      return connectionFailure(error, call.signal);
+    }
+    if (text === undefined) {
       return {
         ok: false,
         code: 'upstream_invalid_response',
         detail: `the 2xx body is larger than ${MAX_RESPONSE_BYTES} bytes`,
-        upstreamStatus: response.status,
+        upstreamStatus: status,
       };
     }
-    text = read;
-  } catch (error) {
-    return connectionFailure(error, call.signal);
+    return checkCompletion(text, status);
   }
-  return checkCompletion(text, response.status);
+
+  /** Closes the connections; calls still in flight are ended. */
+  async close(): Promise<void> {
+    await this.#agent.destroy();
+  }
 }
 
-async function readLimited(response: Response): Promise<string | undefined> {
-  if (!response.body) return '';
-  const chunks: Uint8Array[] = [];
+async function readLimited(body: NodeJS.ReadableStream & AsyncIterable<Buffer>): Promise<string | undefined> {
+  const chunks: Buffer[] = [];
   let size = 0;
-  for await (const chunk of response.body) {
+  for await (const chunk of body) {
     size += chunk.byteLength;
-    if (size > MAX_RESPONSE_BYTES) {
-      await response.body.cancel().catch(() => {});
-      return undefined;
-    }
+    // Leaving the loop ends the stream, and with it the connection.
+    if (size > MAX_RESPONSE_BYTES) return undefined;
     chunks.push(chunk);
   }
   return Buffer.concat(chunks).toString('utf8');
 }
+
+const header = (value: string | string[] | undefined) => (Array.isArray(value) ? value[0] : value) ?? null;
 
 // An aborted call is reported as a timeout here; the caller knows whether it was the upstream
 // timeout or a shutdown (the signal's reason), and says so.
@@ -76,8 +97,9 @@ function connectionFailure(error: unknown, signal: AbortSignal): AttemptOutcome 
   if (signal.aborted || name === 'AbortError' || name === 'TimeoutError') {
     return { ok: false, code: 'upstream_timeout', detail: 'no complete answer within the upstream timeout', upstreamStatus: null };
   }
-  const cause = error instanceof Error ? (error.cause as { code?: unknown } | undefined) : undefined;
-  const code = typeof cause?.code === 'string' ? cause.code : name || 'unknown error';
+  const own = error instanceof Error ? (error as { code?: unknown }).code : undefined;
+  const cause = error instanceof Error ? (error.cause as { code?: unknown } | undefined)?.code : undefined;
+  const code = typeof cause === 'string' ? cause : typeof own === 'string' ? own : name || 'unknown error';
   return { ok: false, code: 'upstream_connection_error', detail: `connection failed: ${code}`, upstreamStatus: null };
 }
 

@@ -17,7 +17,7 @@ import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import * as repository from '../requests/repository.ts';
 import type { AttemptFailure, Finish } from '../requests/repository.ts';
-import { callOpenAiCompatible } from '../upstream/openai.ts';
+import { UpstreamClient } from '../upstream/openai.ts';
 import { ATTEMPT_ERRORS, type AttemptOutcome } from '../upstream/outcome.ts';
 import { simulate } from '../upstream/simulator.ts';
 import { retryDelay } from './backoff.ts';
@@ -59,6 +59,8 @@ export interface Attempts {
   run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded>;
   /** Records attempts whose worker died as worker_lost (and retries them, attempts left). */
   recover(lost: readonly LostAttempt[]): Promise<void>;
+  /** Closes the upstream connections, once no call is in flight. */
+  close(): Promise<void>;
 }
 
 // How long a statement is retried while the database is unreachable.
@@ -68,6 +70,7 @@ const GROUP_STATEMENTS_IN_FLIGHT = 2;
 
 export function createAttempts(deps: AttemptDeps): Attempts {
   const log = deps.logger.child({ component: 'worker' });
+  const upstreams = new UpstreamClient();
   const finishes = new Batcher<Finish, boolean>((items) => repository.finishAttempts(deps.db, items), {
     maxInFlight: GROUP_STATEMENTS_IN_FLIGHT,
     maxBatch: 500,
@@ -114,7 +117,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     try {
       return target.upstream === undefined
         ? await simulate({ ...request, attempt: started.attempt })
-        : await callOpenAiCompatible({ baseUrl: target.upstream.baseUrl, apiKey: target.upstream.apiKey }, request);
+        : await upstreams.call({ baseUrl: target.upstream.baseUrl, apiKey: target.upstream.apiKey }, request);
     } catch (error) {
       // The callers classify every failure they know; anything else is a bug on our side,
       // recorded as an invalid response so the request still ends (after its retries).
@@ -151,6 +154,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
 
   return {
     run,
+    close: () => upstreams.close(),
     async recover(lost) {
       await Promise.all(
         lost.map(async ({ id, attempt, mode }) => {

@@ -40,8 +40,9 @@ export interface DispatcherOptions {
   logger: Logger;
 }
 
-// Attempts started by one claim statement at most.
+// Attempts started by one claim statement at most, and started before the event loop is given a turn.
 const CLAIM_BATCH = 500;
+const START_SLICE = 50;
 // How long a statement is retried while the database is unreachable.
 const OUTAGE_PATIENCE_MS = 60_000;
 const NO_LIMITS: LaneLimits = { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined };
@@ -173,7 +174,11 @@ export class Dispatcher {
       }
       waiting.delete(lane);
       const claim = await this.#db(() => claimLane(db, lane.id, Math.min(room, CLAIM_BATCH), this.workerId, route.limits));
-      for (const started of claim.started) this.#fly(lane, route, started);
+      for (const [index, started] of claim.started.entries()) {
+        // A claim can start hundreds of calls: their outcomes and the other lanes get a turn.
+        if (index > 0 && index % START_SLICE === 0) await new Promise((resolve) => setImmediate(resolve));
+        this.#fly(lane, route, started);
+      }
       // Done when nothing due is left, when the limits hold the rest back (a dispatch is
       // scheduled for when they allow more), or when only ending calls make room.
       if (!claim.waiting || claim.roomAt !== undefined || claim.started.length === 0) return;

@@ -124,3 +124,10 @@ t.test('the upstream receives the stored body and the upstream key, never our ow
   t.same(stored?.body, call.body);
   t.notOk(gateway.logs.some((line) => line.includes('sk-upstream-test-key')), 'the upstream key is not logged');
 });
+
+t.test('a 2xx answer beyond 16 MiB: upstream_invalid_response, read no further', async (t) => {
+  const huge = `{"object":"chat.completion","id":"chatcmpl-1","choices":[],"padding":"${'x'.repeat(17 * 1024 * 1024)}"}`;
+  const { row, attempts } = await runAgainst(t, () => ({ status: 200, text: huge }), { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: '5000' });
+  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });
+  t.match(attempts[0], { upstream_status: 200, error_detail: 'the 2xx body is larger than 16777216 bytes' });
+});
