@@ -78,7 +78,7 @@ export class PhaseContext {
 
   /** The process serving the API among those started. */
   api(): GatewayProcess {
-    const api = this.#gateways.find((gateway) => gateway.port !== undefined && gateway.exitCode === undefined);
+    const api = this.#gateways.find((gateway) => gateway.role !== 'worker' && gateway.exitCode === undefined);
     if (!api) throw new Error('no gateway process serves the API');
     return api;
   }

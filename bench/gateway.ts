@@ -9,7 +9,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { promisify } from 'node:util';
 import pg from 'pg';
 import { descendants } from './cpu.ts';
-import { freePort } from '../test/helpers/ports.ts';
+import { freePort } from './ports.ts';
 import { BENCH_APPLICATION_NAME } from './postgres.ts';
 
 const ROOT = path.resolve(import.meta.dirname, '..');
@@ -34,13 +34,14 @@ function environment(env: GatewayEnv, port: number | undefined): NodeJS.ProcessE
   return {
     ...inherited,
     LOG_LEVEL: 'warn',
+    // Test keys never reach the upstream; should anything try, it goes nowhere. A phase with a
+    // live key names its own upstream.
+    UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1',
     ...env.settings,
     DATABASE_URL: env.databaseUrl,
     SECRET_ENCRYPTION_KEY: env.secretEncryptionKey,
     HOST: '127.0.0.1',
     PORT: String(port ?? 0),
-    // Test keys never reach the upstream; should anything try, it goes nowhere.
-    UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1',
   };
 }
 
@@ -66,14 +67,15 @@ export const running = new Set<GatewayProcess>();
 
 export class GatewayProcess {
   readonly role: Role;
-  readonly port: number | undefined;
+  /** Its HTTP port: the API's, or for a worker its health and metrics (/metrics). */
+  readonly port: number;
   readonly logFile: string;
   readonly #child: ChildProcess;
   readonly #log: LogSummary = { warnings: 0, errors: 0, samples: [] };
   readonly #exited: Promise<number | null>;
   #exitCode: number | null | undefined;
 
-  private constructor(role: Role, port: number | undefined, child: ChildProcess, logFile: string) {
+  private constructor(role: Role, port: number, child: ChildProcess, logFile: string) {
     this.role = role;
     this.port = port;
     this.#child = child;
@@ -101,7 +103,7 @@ export class GatewayProcess {
 
   /** `profileDirectory`: run with --cpu-prof, writing the profile there when the process exits. */
   static async start(role: Role, env: GatewayEnv, logFile: string, profileDirectory?: string): Promise<GatewayProcess> {
-    const port = role === 'worker' ? undefined : await freePort();
+    const port = await freePort();
     const profiling = profileDirectory ? ['--cpu-prof', `--cpu-prof-dir=${profileDirectory}`] : [];
     const child = spawn(process.execPath, [...profiling, CLI, 'serve', '--role', role], {
       cwd: ROOT,
@@ -133,14 +135,7 @@ export class GatewayProcess {
   /** Resident memory of the process and its children, in bytes (VmRSS from /proc). */
   residentBytes(): number {
     let total = 0;
-    for (const pid of descendantsOf(this.pid)) {
-      try {
-        const status = readFileSync(`/proc/${pid}/status`, 'latin1');
-        total += Number(/^VmRSS:\s+(\d+) kB/m.exec(status)?.[1] ?? 0) * 1024;
-      } catch {
-        // exited
-      }
-    }
+    for (const pid of descendantsOf(this.pid)) total += residentBytesOf(pid);
     return total;
   }
 
@@ -175,7 +170,7 @@ export class GatewayProcess {
   }
 
   async #isReady(databaseUrl: string): Promise<boolean> {
-    if (this.port !== undefined) {
+    if (this.role !== 'worker') {
       try {
         const response = await fetch(`http://127.0.0.1:${this.port}/readyz`);
         return response.status === 200;
@@ -183,8 +178,8 @@ export class GatewayProcess {
         return false;
       }
     }
-    // A worker serves no HTTP: it is up once its pool has connected (it names itself in
-    // pg_stat_activity) and the process has had a moment to start its job loop.
+    // A worker's health server listens before its job loop starts: it is up once its pool has
+    // connected (it names itself in pg_stat_activity) and the process has had a moment more.
     const client = new pg.Client({ connectionString: databaseUrl, application_name: BENCH_APPLICATION_NAME });
     try {
       await client.connect();
@@ -223,6 +218,19 @@ export class GatewayProcess {
     else this.#log.errors++;
     const sample = `${level}: ${message.slice(0, 160)}`;
     if (this.#log.samples.length < 5 && !this.#log.samples.includes(sample)) this.#log.samples.push(sample);
+  }
+}
+
+/**
+ * Resident memory of one process, in bytes (VmRSS from /proc; 0 once it has exited): one small
+ * read, cheap enough to take every 100 ms where the process is known to have no children.
+ */
+export function residentBytesOf(pid: number): number {
+  try {
+    const status = readFileSync(`/proc/${pid}/status`, 'latin1');
+    return Number(/^VmRSS:\s+(\d+) kB/m.exec(status)?.[1] ?? 0) * 1024;
+  } catch {
+    return 0; // exited
   }
 }
 

@@ -3,8 +3,8 @@
 import type { Role } from './gateway.ts';
 
 // In the order they run: the ceiling right after accept, whose figure it is compared with; the
-// longest, hold, last.
-export const PHASES = ['accept', 'ceiling', 'end-to-end', 'wait', 'lookup', 'hold'] as const;
+// two longest, which also open thousands of sockets, hold and slow-upstream, at the end.
+export const PHASES = ['accept', 'ceiling', 'end-to-end', 'wait', 'lookup', 'hold', 'slow-upstream'] as const;
 export type Phase = (typeof PHASES)[number];
 
 export interface Settings {
@@ -12,7 +12,7 @@ export interface Settings {
   /** Measured window of each timed phase. */
   durationMs: number;
   warmupMs: number;
-  /** Concurrent connections of the saturation phases (accept, end-to-end, lookups). */
+  /** Concurrent connections of the saturation phases (accept, end-to-end, lookups) and of slow-upstream's submissions. */
   connections: number;
   /** Offered rate of the wait=true overhead phase, requests per second. */
   waitRate: number;
@@ -22,6 +22,10 @@ export interface Settings {
   waitDelayMs: number;
   /** wait=true requests held open at once. */
   hold: number;
+  /** wait=false requests of the slow-upstream phase, with a live key. */
+  slowRequests: number;
+  /** How long the slow-upstream phase's upstream takes to answer each call. */
+  upstreamDelayMs: number;
   /** pgbench clients of the ceiling phase. */
   pgbenchClients: number;
   /** The gateway processes of the end-to-end, wait and lookup phases, e.g. ["all"] or ["api", "worker"]. */
@@ -40,20 +44,24 @@ export const DEFAULTS = {
   waitReferenceRate: 20,
   waitDelayMs: 50,
   hold: 10_000,
+  slowRequests: 20_000,
+  upstreamDelayMs: 2_000,
   pgbenchClients: 8,
 };
 
 export const USAGE = `node bench/run.ts (make bench): benchmarks the gateway of this checkout; see BENCHMARKS.md.
 
-  BENCH_PHASES       comma-separated, default all: ${PHASES.join(',')}
-  BENCH_DURATION     seconds measured per phase (default ${DEFAULTS.durationMs / 1000})
-  BENCH_WARMUP       seconds of warm-up before each (default ${DEFAULTS.warmupMs / 1000})
-  BENCH_CONNECTIONS  connections of the saturation phases (default ${DEFAULTS.connections})
-  BENCH_WAIT_RATE    requests/s of the wait=true overhead phase (default ${DEFAULTS.waitRate})
-  BENCH_HOLD         wait=true requests held open at once (default ${DEFAULTS.hold})
-  BENCH_TOPOLOGY     gateway processes, e.g. all (default) or api+worker
-  BENCH_PROFILE=1    run the gateway with --cpu-prof; the report names its busiest functions
-  DATABASE_URL       the Postgres server to use (else an embedded one under .data/bench-postgres)
+  BENCH_PHASES             comma-separated, default all: ${PHASES.join(',')}
+  BENCH_DURATION           seconds measured per phase (default ${DEFAULTS.durationMs / 1000})
+  BENCH_WARMUP             seconds of warm-up before each (default ${DEFAULTS.warmupMs / 1000})
+  BENCH_CONNECTIONS        connections of the saturation phases and slow-upstream (default ${DEFAULTS.connections})
+  BENCH_WAIT_RATE          requests/s of the wait=true overhead phase (default ${DEFAULTS.waitRate})
+  BENCH_HOLD               wait=true requests held open at once (default ${DEFAULTS.hold})
+  BENCH_SLOW_REQUESTS      wait=false requests of the slow-upstream phase (default ${DEFAULTS.slowRequests})
+  BENCH_UPSTREAM_DELAY_MS  how long its loopback upstream takes to answer, ms (default ${DEFAULTS.upstreamDelayMs})
+  BENCH_TOPOLOGY           gateway processes, e.g. all (default) or api+worker
+  BENCH_PROFILE=1          run the gateway with --cpu-prof; the report names its busiest functions
+  DATABASE_URL             the Postgres server to use (else an embedded one under .data/bench-postgres)
   Any other gateway setting (WORKER_CONCURRENCY, DATABASE_POOL_SIZE, ...) is passed to the gateway.`;
 
 export function loadSettings(env: NodeJS.ProcessEnv = process.env): Settings {
@@ -82,6 +90,8 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env): Settings {
     waitReferenceRate: DEFAULTS.waitReferenceRate,
     waitDelayMs: DEFAULTS.waitDelayMs,
     hold: whole(env, 'BENCH_HOLD', DEFAULTS.hold),
+    slowRequests: whole(env, 'BENCH_SLOW_REQUESTS', DEFAULTS.slowRequests),
+    upstreamDelayMs: whole(env, 'BENCH_UPSTREAM_DELAY_MS', DEFAULTS.upstreamDelayMs),
     pgbenchClients: DEFAULTS.pgbenchClients,
     topology: topology as Role[],
     profile: ['1', 'true', 'yes'].includes((env.BENCH_PROFILE ?? '').trim().toLowerCase()),

@@ -1,4 +1,4 @@
-// gateway requests show | list and gateway stats, run as processes against a working
+// gateway requests show | list, stats, upstreams and usage, run as processes against a working
 // gateway's database.
 import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
@@ -65,4 +65,38 @@ t.test('requests show, requests list and stats', async (t) => {
 
   await t.rejects(run('requests', 'show', 'req_00000000000000000000'), /No request with id/);
   await t.rejects(run('requests', 'list', '--status', 'done'), /--status must be/);
+});
+
+t.test('upstreams and usage', async (t) => {
+  const gateway = await startTestGateway(t, { env: { MAX_IN_FLIGHT: '5' } });
+  const alpha = clientFor(gateway.url, await gateway.createKey({ project: 'alpha' }));
+  const beta = clientFor(gateway.url, await gateway.createKey({ project: 'beta' }));
+  for (const client of [alpha, alpha, beta]) {
+    t.equal((await client.post({ model: 'test-echo', messages: userMessage('usage counted'), wait: true })).status, 200);
+  }
+  const run = async (...args: string[]) => {
+    const { stdout } = await promisify(execFile)(process.execPath, [CLI, ...args], {
+      env: { ...process.env, DATABASE_URL: gateway.databaseUrl, LOG_LEVEL: 'warn', UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1' },
+    });
+    return stdout;
+  };
+
+  const upstreams = JSON.parse(await run('upstreams', '--json'));
+  t.same(upstreams.upstreams, [
+    { name: 'default', base_url: 'http://127.0.0.1:9/v1', models: ['*'], max_concurrent: null, requests_per_minute: null, tokens_per_minute: null },
+  ], 'the upstreams as this process reads them');
+  t.match(upstreams.lanes, [{ mode: 'test', upstream: 'simulator', model: '*', waiting: 0, running: 0, paused_until: null }], 'and each lane');
+  t.match(await run('upstreams'), /^Upstreams \(first match by model wins\)\nname\s+base_url/);
+
+  const usage = JSON.parse(await run('usage', '--json'));
+  const today = new Date().toISOString().slice(0, 10);
+  t.match(usage, [
+    { day: today, project: 'alpha', mode: 'test', upstream: 'simulator', model: 'test-echo', requests: 2 },
+    { day: today, project: 'beta', mode: 'test', upstream: 'simulator', model: 'test-echo', requests: 1 },
+  ]);
+  t.ok(usage[0].total_tokens > 0 && usage[0].total_tokens === 2 * usage[1].total_tokens, 'tokens summed per project');
+  t.same(JSON.parse(await run('usage', '--project', 'beta', '--json')).map((row: { project: string }) => row.project), ['beta']);
+  t.same(JSON.parse(await run('usage', '--since', '2999-01-01', '--json')), [], '--since a day to come: nothing');
+  t.match(await run('usage'), /^day\s+project\s+mode\s+upstream\s+model\s+requests/);
+  await t.rejects(run('usage', '--since', '2026-02-31'), /--since must be a day/);
 });

@@ -1,8 +1,8 @@
 // The ceiling of the naive design, in the same run and on the same server: pgbench, 8 clients,
 // each transaction inserting one request row (a new valid id, the benchmark's project and key)
-// and calling graphile_worker.add_job for it, as the gateway's accept path does per request.
-// No gateway process runs meanwhile, so no worker takes the jobs: afterwards there must be
-// exactly as many jobs as rows.
+// and calling graphile_worker.add_job for it (a dispatch of a lane), as the gateway's accept
+// path does for a request alone in its statement. No gateway process runs meanwhile, so no
+// worker takes the jobs: afterwards there must be exactly as many jobs as rows.
 import { execFile, spawn } from 'node:child_process';
 import { writeFile } from 'node:fs/promises';
 import path from 'node:path';
@@ -102,7 +102,7 @@ function oneRequest(projectId: string, keyId: string, body: string, withJob = tr
   ${insert}
   returning id
 )
-select graphile_worker.add_job('process_request', json_build_object('request_id', request.id, 'attempt', 1))
+select graphile_worker.add_job('dispatch_lane', json_build_object('lane_id', 0))
 from request;`;
 }
 
@@ -116,7 +116,7 @@ function groupedRequests(projectId: string, keyId: string, body: string, count: 
   returning id
 )
 select graphile_worker.add_jobs(array_agg(json_populate_record(null::graphile_worker.job_spec,
-  json_build_object('identifier', 'process_request', 'payload', json_build_object('request_id', request.id, 'attempt', 1)))))
+  json_build_object('identifier', 'dispatch_lane', 'payload', json_build_object('lane_id', 0)))))
 from request;`;
 }
 

@@ -1,10 +1,9 @@
 // End-to-end throughput: requests per second the whole gateway (API and worker, as deployed by
 // BENCH_TOPOLOGY) takes from submission to `completed`, sustained. Connections submit
-// wait=false requests as fast as they are answered, but only while the queue (the rows of
-// graphile_worker.jobs: queued and running jobs) is shorter than BACKLOG; above it they pause.
+// wait=false requests as fast as they are answered, but only while the queue (the requests not
+// finished yet: queued, processing or retrying) is shorter than BACKLOG; above it they pause.
 // So the system runs at whichever of accepting and processing is slower, with a healthy
-// queue, as it could for hours: a queue growing without bound would slow the worker's job
-// fetches and measure an overload instead. The figure is the number of requests whose
+// queue, as it could for hours: a queue growing without bound would measure an overload instead. The figure is the number of requests whose
 // finished_at falls in the window, divided by its length, both from the database's clock.
 import { setTimeout as sleep } from 'node:timers/promises';
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
@@ -14,7 +13,7 @@ import { sha256Hex } from '../signing.ts';
 import { COMPLETIONS, completionBody, errorLine, rate } from './common.ts';
 
 export const END_TO_END_TARGET = 2_000;
-/** Queued and running jobs above which submissions pause: enough that the worker never runs dry
+/** Unfinished requests above which submissions pause: enough that the worker never runs dry
  * between two polls, few enough to be reached within the warm-up. */
 const BACKLOG = 256;
 const POLL_MS = 50;
@@ -36,7 +35,9 @@ export async function endToEndPhase(ctx: PhaseContext): Promise<PhaseResult> {
     const observed = { polls: 0, pausedPolls: 0, backlogSum: 0 };
     const poller = (async () => {
       while (polling) {
-        const { rows } = await monitor.query<{ count: string }>('select count(*) from graphile_worker.jobs');
+        const { rows } = await monitor.query<{ count: string }>(
+          `select count(*) from (select from gateway.requests where finished_at is null limit ${2 * BACKLOG}) as unfinished`,
+        );
         backlog = Number(rows[0]!.count);
         if (backlog < BACKLOG && resume) {
           resume.resolve();
@@ -109,9 +110,9 @@ export async function endToEndPhase(ctx: PhaseContext): Promise<PhaseResult> {
 
     const details = [
       `${topology.map((role) => `--role ${role}`).join(' + ')}; ${connections} connections submit wait=false (model test-echo), ` +
-        `pausing while ${BACKLOG.toLocaleString('en-US')} or more jobs are queued or running; ` +
+        `pausing while ${BACKLOG.toLocaleString('en-US')} or more requests are unfinished; ` +
         `rate = requests whose finished_at is in the ${durationMs / 1000} s window / its length`,
-      `in the window: ${rate(submitted)} accepted/s, ${rate(completionsPerSecond)} completed/s; queue ${Math.round(averageBacklog).toLocaleString('en-US')} jobs on average; ` +
+      `in the window: ${rate(submitted)} accepted/s, ${rate(completionsPerSecond)} completed/s; queue ${Math.round(averageBacklog).toLocaleString('en-US')} requests on average; ` +
         `submissions paused ${(paused * 100).toFixed(0)}% of the time ` +
         (paused > 0.5 ? '(processing is the limit)' : paused < 0.05 ? '(accepting is the limit)' : '(both are close)'),
       cpu ? cpuLine(cpu, completionsPerSecond) : 'CPU: not measured',
