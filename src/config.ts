@@ -2,7 +2,7 @@
 // result is frozen and passed down as a value. A bad setting stops the process at start-up
 // with a message naming every variable at fault.
 import * as v from 'valibot';
-import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream } from './lanes/upstreams.ts';
+import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream } from './upstream/upstreams.ts';
 
 /**
  * What one upstream call in flight costs a worker process in resident memory: its connection,

@@ -4,7 +4,7 @@ import client from 'prom-client';
 import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Db } from './db/pool.ts';
-import { SIMULATOR } from './lanes/upstreams.ts';
+import { SIMULATOR } from './upstream/upstreams.ts';
 import type { Waiters } from './requests/waiters.ts';
 import type { Usage } from './upstream/outcome.ts';
 

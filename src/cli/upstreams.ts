@@ -2,7 +2,7 @@
 // each lane holds now (gateway.lane_states).
 import type { Db } from '../db/pool.ts';
 import { laneStates } from '../lanes/repository.ts';
-import type { Upstream } from '../lanes/upstreams.ts';
+import type { Upstream } from '../upstream/upstreams.ts';
 import { table } from './output.ts';
 
 export async function upstreamsCommand(db: Db, upstreams: readonly Upstream[], options: { json: boolean }): Promise<string> {

@@ -4,7 +4,7 @@ import { sql } from 'kysely';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { DISPATCH_LANE } from './jobs.ts';
-import type { LaneLimits } from './upstreams.ts';
+import type { LaneLimits } from '../upstream/upstreams.ts';
 
 export interface LaneKey {
   mode: KeyMode;

@@ -7,7 +7,7 @@ import { invalidRequest } from '../errors.ts';
 import type { KeyMode } from '../ids.ts';
 import { ensureLane, type LaneKey } from './repository.ts';
 import { estimatePromptTokens, loadTokenizer } from './tokens.ts';
-import { routeModel, SIMULATOR, type Upstream } from './upstreams.ts';
+import { routeModel, SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
 
 /** The simulator's one lane takes every test-mode model. */
 const ANY_MODEL = '*';

@@ -12,7 +12,7 @@ import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import type { StartedAttempt } from '../lanes/repository.ts';
-import type { Upstream } from '../lanes/upstreams.ts';
+import type { Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import * as repository from '../requests/repository.ts';

@@ -24,7 +24,7 @@ import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import { addDispatch, claimLane, findLane, type Lane, type StartedAttempt } from '../lanes/repository.ts';
 import { modelLabel } from '../lanes/routing.ts';
-import { SIMULATOR, type LaneLimits, type Upstream } from '../lanes/upstreams.ts';
+import { SIMULATOR, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import { ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, type Attempts, type CallTarget } from './attempts.ts';
 

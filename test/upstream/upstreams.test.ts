@@ -9,7 +9,7 @@ import {
   routeModel,
   UpstreamsFileError,
   type Upstream,
-} from '../../src/lanes/upstreams.ts';
+} from '../../src/upstream/upstreams.ts';
 
 const directory = mkdtempSync(path.join(tmpdir(), 'gateway-upstreams-'));
 t.teardown(() => rmSync(directory, { recursive: true, force: true }));
