@@ -178,6 +178,7 @@ declare
   still_waiting boolean;
   next_room timestamptz;
   started record;
+  picked_ids text[];
 begin
   -- A dispatch that finds nothing due (another got there first) neither locks nor writes.
   if not exists (
@@ -222,7 +223,9 @@ begin
   if allowed > 0 then
     -- The projects with requests waiting, found one index probe each; each then contributes its
     -- oldest due requests, and the turns go round the projects, starting after the last one.
-    for started in
+    select array_agg(picked.id order by picked.position), (array_agg(picked.project_id order by picked.position desc))[1]
+    into picked_ids, last_project
+    from (
       with recursive waiting_projects(project_id) as (
         (select requests.project_id from gateway.requests
          where requests.lane_id = claim_lane_id and requests.status in ('queued', 'retrying')
@@ -265,23 +268,27 @@ begin
         where ordered.position <= allowed
           -- A call may start while tokens are left: the last one may overdraw the allowance.
           and (limit_tokens_per_minute is null or ordered.spent - ordered.estimate < token_level)
-      ), updated as (
+      )
+      select * from picked
+    ) as picked;
+
+    -- By id, so that the rows are found through the primary key however long the lane's queue.
+    for started in
+      with updated as (
         update gateway.requests
         set status = 'processing', attempts = requests.attempts + 1, next_attempt_at = null, updated_at = now()
-        from picked
-        where requests.id = picked.id and requests.status in ('queued', 'retrying')
-        returning requests.id, requests.attempts, requests.body::text as body, picked.estimate, picked.project_id,
-                  picked.position
+        where requests.id = any(picked_ids) and requests.status in ('queued', 'retrying')
+        returning requests.id, requests.attempts, requests.body::text as body,
+                  case when limit_tokens_per_minute is null then 0
+                       else coalesce(requests.prompt_tokens_estimate, octet_length(requests.body::text) / 4) end as estimate
       ), recorded as (
         insert into gateway.request_attempts (request_id, attempt_number, worker_id)
         select updated.id, updated.attempts, claim_worker_id from updated
       )
-      select updated.id, updated.attempts, updated.body, updated.estimate, updated.project_id
-      from updated order by updated.position
+      select updated.id, updated.attempts, updated.body, updated.estimate from updated
     loop
       claimed := claimed + 1;
       tokens_claimed := tokens_claimed + started.estimate;
-      last_project := started.project_id;
       request_id := started.id;
       attempt := started.attempts;
       body := started.body;

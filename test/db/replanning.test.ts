@@ -1,14 +1,14 @@
-// The hot statements keep to the indexes whatever the tables held when they were planned: a
-// connection that planned the claim (gateway.claim_lane's statements) and the finish while the
-// tables were nearly empty, and kept those plans (no analyze runs where autovacuum is off, and
-// no REPLAN_EVERY comes between: db/pool.ts), scans neither table whole once they have grown.
+// Plans follow the tables' growth (db/pool.ts, REPLAN_EVERY): a connection that planned the
+// claim (gateway.claim_lane's statements) and the finish while the tables were nearly empty, and
+// so planned them to read every row of the group's table, plans them again within REPLAN_EVERY
+// statements, and then reads only the group's rows, through the indexes.
 import { sql } from 'kysely';
 import type pg from 'pg';
 import t, { type Test } from 'tap';
-import { createDb, createPool, type Db } from '../../src/db/pool.ts';
+import { createDb, createPool, type Db, REPLAN_EVERY } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
 import { claimLane } from '../../src/lanes/repository.ts';
-import { finishAttempts } from '../../src/requests/repository.ts';
+import { findRequests, finishAttempts } from '../../src/requests/repository.ts';
 import { createTestDatabase } from '../helpers/database.ts';
 
 const ROWS = 20_000;
@@ -30,7 +30,7 @@ t.test('a group claimed and finished after the tables grew does not scan them wh
     insert into gateway.lanes (mode, upstream, model) values ('test', 'simulator', '*')`);
 
   // Enough runs of small groups on nearly empty tables for the statements to settle on their
-  // generic plans (and far fewer statements than REPLAN_EVERY).
+  // generic plans (and far fewer statements than REPLAN_EVERY, up to the check of those plans).
   for (let run = 0; run < 10; run++) {
     await plant(pool, `req_early${String(run).padStart(20, '0')}`, 'queued');
     const claim = await claimLane(db, LANE, 2, 'w', NO_LIMITS);
@@ -63,11 +63,17 @@ t.test('a group claimed and finished after the tables grew does not scan them wh
     insert into gateway.request_attempts (request_id, attempt_number)
     select id, 1 from gateway.requests where status = 'processing'`);
 
-  t.same(
-    await groupScans(t, db, 0),
-    { requests: 0, request_attempts: 0 },
-    `on the plans made early, no sequential scan of the ${ROWS.toLocaleString('en-US')} requests`,
-  );
+  // What this is about: the plans made while the tables were nearly empty join a group to every
+  // row they hold (the claim's picks to the lane's queue, the finish's outcomes to the running requests).
+  const stale = await groupScans(t, db, 1);
+  t.ok(stale.requestsRead > ROWS / 2, `before: the plans made early read ${stale.requestsRead} rows of requests for a group of ${GROUP}`);
+
+  // The statements that follow run on plans made again with the tables as they are now.
+  for (let run = 0; run < REPLAN_EVERY; run++) await findRequests(db, ['req_absentAbsentAbsentAbsent']);
+
+  const fresh = await groupScans(t, db, 0);
+  t.same(fresh.scans, { requests: 0, request_attempts: 0 }, `after: no sequential scan of the ${ROWS.toLocaleString('en-US')} requests`);
+  t.ok(fresh.requestsRead < 200, `and ${fresh.requestsRead} rows of requests read for the group, not the whole queue`);
 });
 
 const LANE = '1';
@@ -85,22 +91,25 @@ async function plant(pool: pg.Pool, id: string, status: 'queued'): Promise<void>
 
 /**
  * Claims GROUP queued requests and finishes the running attempts of group `index`, in one
- * transaction on the pool's one connection; returns the sequential scans of each table made.
+ * transaction on the pool's one connection; returns the sequential scans of each table made, and
+ * the rows of requests read.
  */
-async function groupScans(t: Test, db: Db, index: number): Promise<Record<string, number>> {
+async function groupScans(t: Test, db: Db, index: number): Promise<{ scans: Record<string, number>; requestsRead: number }> {
   const group = Array.from({ length: GROUP }, (_, i) => index * GROUP + i + 1);
   return db.transaction().execute(async (trx) => {
     // This connection's counts not yet sent to the statistics (those of the statements above
     // among them) show in pg_stat_xact_user_tables too: what counts is the difference.
     const seqScans = async () => {
-      const { rows } = await sql<{ relname: string; seq_scan: string }>`
-        select relname, seq_scan from pg_stat_xact_user_tables
+      const { rows } = await sql<{ relname: string; seq_scan: string; tuples_read: string }>`
+        select relname, seq_scan, seq_tup_read + coalesce(idx_tup_fetch, 0) as tuples_read from pg_stat_xact_user_tables
         where schemaname = 'gateway' and relname in ('requests', 'request_attempts')
       `.execute(trx);
-      return (table: string) => Number(rows.find((row) => row.relname === table)?.seq_scan ?? 0);
+      const of = (table: string) => rows.find((row) => row.relname === table);
+      return Object.assign((table: string) => Number(of(table)?.seq_scan ?? 0), { read: (table: string) => Number(of(table)?.tuples_read ?? 0) });
     };
     const before = await seqScans();
     const claim = await claimLane(trx, LANE, GROUP, 'w', NO_LIMITS);
+
     t.same(
       claim.started.map((attempt) => attempt.attempt),
       group.map(() => 1),
@@ -112,6 +121,9 @@ async function groupScans(t: Test, db: Db, index: number): Promise<Record<string
     );
     t.same(applied, group.map(() => true), 'every running attempt of the group was finished');
     const after = await seqScans();
-    return Object.fromEntries(['requests', 'request_attempts'].map((table) => [table, after(table) - before(table)]));
+    return {
+      scans: Object.fromEntries(['requests', 'request_attempts'].map((table) => [table, after(table) - before(table)])),
+      requestsRead: after.read('requests') - before.read('requests'),
+    };
   });
 }
