@@ -78,6 +78,20 @@ const Environment = v.object({
   MAX_IN_FLIGHT: optionalInteger('MAX_IN_FLIGHT', 1),
   TEST_MAX_IN_FLIGHT: integer('TEST_MAX_IN_FLIGHT', 1_000, 1, 1_000_000),
 
+  WEBHOOK_ALLOW_PRIVATE: v.optional(v.picklist(['true', 'false'], 'WEBHOOK_ALLOW_PRIVATE must be true or false'), 'false'),
+  WEBHOOK_TIMEOUT_MS: integer('WEBHOOK_TIMEOUT_MS', 15_000, 1),
+  WEBHOOK_RETRY_SCHEDULE: v.optional(
+    v.pipe(
+      v.string(),
+      v.trim(),
+      v.regex(/^\d+(,\d+)*$/, 'WEBHOOK_RETRY_SCHEDULE must be whole numbers of milliseconds, separated by commas'),
+      v.transform((list) => Object.freeze(list.split(',').map(Number))),
+    ),
+    // After the first try: 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h (Standard Webhooks' schedule).
+    '5000,300000,1800000,7200000,18000000,36000000,36000000',
+  ),
+  WEBHOOK_MAX_IN_FLIGHT: integer('WEBHOOK_MAX_IN_FLIGHT', 1_000, 1, 100_000),
+
   RATE_LIMIT_RPS: optionalInteger('RATE_LIMIT_RPS', 1),
   LOOKUP_RATE_LIMIT_RPS: optionalInteger('LOOKUP_RATE_LIMIT_RPS', 1),
   MAX_UNFINISHED_PER_PROJECT: optionalInteger('MAX_UNFINISHED_PER_PROJECT', 1),
@@ -136,6 +150,17 @@ export interface Config {
   readonly lookupRateLimitRps: number | undefined;
   /** Requests of a project and mode not yet finished, at most (undefined: no limit). */
   readonly maxUnfinishedPerProject: number | undefined;
+
+  readonly webhooks: {
+    /** Endpoints may resolve to loopback, private and link-local addresses (tests, private networks). */
+    readonly allowPrivate: boolean;
+    /** A try without a complete answer by then fails. */
+    readonly timeoutMs: number;
+    /** The waits between tries, in ms: one retry each (jittered, and never shorter than a retry-after). */
+    readonly retryScheduleMs: readonly number[];
+    /** Deliveries a worker process has under way at once. */
+    readonly maxInFlight: number;
+  };
 
   readonly maxAttempts: number;
   /** Full-jitter exponential backoff: attempt n waits a random time in [0, min(max, base * 2^(n-1))]. */
@@ -198,6 +223,12 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     rateLimitRps: e.RATE_LIMIT_RPS,
     lookupRateLimitRps: e.LOOKUP_RATE_LIMIT_RPS ?? (e.RATE_LIMIT_RPS === undefined ? undefined : 10 * e.RATE_LIMIT_RPS),
     maxUnfinishedPerProject: e.MAX_UNFINISHED_PER_PROJECT,
+    webhooks: Object.freeze({
+      allowPrivate: e.WEBHOOK_ALLOW_PRIVATE === 'true',
+      timeoutMs: e.WEBHOOK_TIMEOUT_MS,
+      retryScheduleMs: e.WEBHOOK_RETRY_SCHEDULE,
+      maxInFlight: e.WEBHOOK_MAX_IN_FLIGHT,
+    }),
     maxAttempts: e.MAX_ATTEMPTS,
     retryBaseMs: e.RETRY_BASE_MS,
     retryMaxMs: Math.max(e.RETRY_MAX_MS, e.RETRY_BASE_MS),

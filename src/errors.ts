@@ -69,6 +69,9 @@ export const unsupportedMediaType = () =>
     'The body must be sent with Content-Type: application/json.',
   );
 
+export const requestAlreadyFinished = (status: string) =>
+  new ApiError(409, 'invalid_request_error', 'request_already_finished', `The request has already ${status === 'completed' ? 'completed' : 'failed'}: there is nothing to cancel.`);
+
 export const idempotencyKeyReused = () =>
   new ApiError(
     422,

@@ -14,7 +14,7 @@ import type { Logger } from './logger.ts';
 import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
-import { Waiters } from './requests/waiters.ts';
+import { FINISHED_CHANNEL, Waiters } from './requests/waiters.ts';
 import { LaneRouter } from './lanes/routing.ts';
 import { intakeLimitsFor, type IntakeLimits } from './requests/intake.ts';
 import { createAttempts, type Attempts } from './worker/attempts.ts';
@@ -79,6 +79,9 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   };
 
   try {
+    // One LISTEN connection per process, for whichever of its parts need to hear: waiters and
+    // the key cache, and the dispatcher (a call whose request was cancelled is aborted).
+    listener = new Listener(databaseUrl, logger);
     // The worker's side first (it opens no connection yet): the API of the same process
     // dispatches the requests it accepts on it.
     let workerDb: Db | undefined;
@@ -105,11 +108,16 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         logger,
       });
       metrics.watchDispatcher(dispatcher);
+      const hearing = dispatcher;
+      listener.subscribe(FINISHED_CHANNEL, {
+        notification: (payload) => hearing.ended(payload.split(',')),
+        lost: () => hearing.hearing(false),
+        restored: () => hearing.hearing(true),
+      });
     }
     if (role !== 'worker') {
       apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
       await assertSchemaCurrent(apiPool);
-      listener = new Listener(databaseUrl, logger);
       waiters = new Waiters(listener);
       keys = new KeyCache(listener);
       await listener.start();
@@ -142,6 +150,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     if (workerPool && workerDb && attempts && dispatcher) {
       if (role === 'worker') {
         await assertSchemaCurrent(workerPool);
+        await listener.start();
         metrics.watchQueue(workerDb);
         if (options.http !== false) {
           server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);

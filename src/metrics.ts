@@ -44,7 +44,7 @@ export class Metrics {
 
   readonly attempts = new client.Counter({
     name: `${PREFIX}attempts_total`,
-    help: 'Attempts finished, by mode, outcome (succeeded, failed) and error code ("none" when it succeeded).',
+    help: 'Attempts finished, by mode, outcome (succeeded, failed, cancelled: the request ended meanwhile) and error code ("none" unless failed).',
     labelNames: ['mode', 'outcome', 'code'] as const,
     registers: [this.registry],
   });
@@ -61,6 +61,13 @@ export class Metrics {
     name: `${PREFIX}tokens_total`,
     help: 'Tokens of completed requests (their usage), by mode, upstream, model (as configured: a name or a pattern) and kind (prompt, completion).',
     labelNames: ['mode', 'upstream', 'model', 'kind'] as const,
+    registers: [this.registry],
+  });
+
+  readonly cancelled = new client.Counter({
+    name: `${PREFIX}requests_cancelled_total`,
+    help: 'Requests cancelled by their clients, by mode and the status they had (queued, retrying, processing).',
+    labelNames: ['mode', 'from'] as const,
     registers: [this.registry],
   });
 

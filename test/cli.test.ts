@@ -76,6 +76,9 @@ t.test('migrate builds the schema, twice at once, and again with nothing left to
       'gateway.requests',
       'gateway.retention_cursors',
       'gateway.signature_nonces',
+      'gateway.webhook_deliveries',
+      'gateway.webhook_endpoints',
+      'gateway.webhook_messages',
       'gateway.worker_pools',
     ],
   );

@@ -6,8 +6,8 @@ type CreatedAt = ColumnType<Date, Date | undefined, never>;
 type Timestamp = ColumnType<Date, Date | undefined, Date>;
 type NullableTimestamp = ColumnType<Date | null, Date | null | undefined, Date | null>;
 
-export type RequestStatus = 'queued' | 'processing' | 'retrying' | 'completed' | 'failed';
-export const TERMINAL_STATUSES: readonly RequestStatus[] = ['completed', 'failed'];
+export type RequestStatus = 'queued' | 'processing' | 'retrying' | 'completed' | 'failed' | 'cancelled';
+export const TERMINAL_STATUSES: readonly RequestStatus[] = ['completed', 'failed', 'cancelled'];
 
 export interface Database {
   migrations: MigrationsTable;
@@ -19,6 +19,9 @@ export interface Database {
   worker_pools: WorkerPoolsTable;
   lanes: LanesTable;
   intake_counters: IntakeCountersTable;
+  webhook_endpoints: WebhookEndpointsTable;
+  webhook_messages: WebhookMessagesTable;
+  webhook_deliveries: WebhookDeliveriesTable;
 }
 
 export interface MigrationsTable {
@@ -75,7 +78,7 @@ export interface RequestAttemptsTable {
   attempt_number: number;
   started_at: CreatedAt;
   finished_at: NullableTimestamp;
-  outcome: ColumnType<'running' | 'succeeded' | 'failed', 'running' | undefined, 'succeeded' | 'failed'>;
+  outcome: ColumnType<'running' | 'succeeded' | 'failed' | 'cancelled', 'running' | undefined, 'succeeded' | 'failed' | 'cancelled'>;
   upstream_status: number | null;
   error_code: string | null;
   error_detail: string | null;
@@ -122,4 +125,46 @@ export interface IntakeCountersTable {
   /** int8, as a string. */
   admitted: ColumnType<string, string | number, string | number>;
   updated_at: Timestamp;
+}
+
+export type WebhookEvent = 'request.completed' | 'request.failed' | 'request.cancelled';
+
+export interface WebhookEndpointsTable {
+  id: string;
+  /** int8, as a string. */
+  project_id: string;
+  url: string;
+  events: WebhookEvent[];
+  secret_ciphertext: Buffer;
+  previous_secret_ciphertext: Buffer | null;
+  previous_secret_expires_at: NullableTimestamp;
+  created_at: CreatedAt;
+  disabled_at: NullableTimestamp;
+  disabled_reason: string | null;
+}
+
+export type WebhookMessageStatus = 'pending' | 'delivering' | 'delivered' | 'failed' | 'abandoned';
+
+export interface WebhookMessagesTable {
+  id: string;
+  endpoint_id: string;
+  request_id: string;
+  event_type: WebhookEvent;
+  created_at: CreatedAt;
+  status: ColumnType<WebhookMessageStatus, WebhookMessageStatus | undefined, WebhookMessageStatus>;
+  tries: ColumnType<number, number | undefined, number>;
+  next_try_at: NullableTimestamp;
+  worker_id: string | null;
+  finished_at: NullableTimestamp;
+}
+
+export interface WebhookDeliveriesTable {
+  message_id: string;
+  try_number: number;
+  started_at: CreatedAt;
+  finished_at: NullableTimestamp;
+  outcome: ColumnType<'running' | 'succeeded' | 'failed', 'running' | undefined, 'succeeded' | 'failed'>;
+  http_status: number | null;
+  error: string | null;
+  duration_ms: number | null;
 }

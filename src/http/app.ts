@@ -19,14 +19,14 @@ import type { Waiters } from '../requests/waiters.ts';
 import type { LaneRouter } from '../lanes/routing.ts';
 import type { Intake } from '../requests/intake.ts';
 import { authenticate } from './auth.ts';
-import { readBody } from './body.ts';
+import { noBody, readBody } from './body.ts';
 import type { GatewayContext, GatewayState, Reply, Step } from './context.ts';
 import { errorReply, renderError } from './errors.ts';
 import { send } from './reply.ts';
 import { verifyRequestSignature } from './signature.ts';
 import { createCompletion } from './routes/completions.ts';
 import { healthz, metricsRoute, readyz } from './routes/ops.ts';
-import { getRequest } from './routes/requests.ts';
+import { cancelRequest, getRequest } from './routes/requests.ts';
 
 export interface OpsDeps {
   config: Config;
@@ -69,6 +69,7 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
     route([authenticated, readBody(deps.config.maxBodyBytes), signed], createCompletion(requestDeps)),
   );
   router.get('/v1/requests/:id', route([authenticated, signed], getRequest(requestDeps)));
+  router.post('/v1/requests/:id/cancel', route([authenticated, noBody(), signed], cancelRequest(requestDeps)));
   return finish(app, router);
 }
 

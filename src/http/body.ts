@@ -24,6 +24,19 @@ export function readBody(maxBodyBytes: number): Step {
   };
 }
 
+/** For a route that takes no body (a cancel): one sent anyway is refused, as the signature covers none. */
+export function noBody(): Step {
+  return async (ctx) => {
+    let body: Buffer;
+    try {
+      body = await getRawBody(ctx.req, { limit: 1024, length: ctx.get('content-length') || null });
+    } catch {
+      throw invalidRequest('invalid_body', 'This request takes no body.');
+    }
+    if (body.length > 0) throw invalidRequest('invalid_body', 'This request takes no body.');
+  };
+}
+
 const utf8 = new TextDecoder('utf-8', { fatal: true });
 
 export function parseJson(body: Buffer): unknown {

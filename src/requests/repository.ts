@@ -174,6 +174,45 @@ export async function findRequests(db: Db, ids: readonly string[]): Promise<(Req
   return ids.map((id) => byId.get(id));
 }
 
+/**
+ * Cancels the caller's request (its project and mode) if it has not ended: a queued or retrying
+ * one is never started again, a processing one has its running attempt recorded as cancelled
+ * (the worker holding its call hears of the request's end and aborts it). The row is locked
+ * first, so that an outcome being recorded at the same moment either lands before (and the
+ * request ends completed or failed) or finds it cancelled, never both. Returns the status it
+ * had, or undefined when there is no such request of the caller's.
+ */
+export async function cancelRequest(
+  db: Db,
+  scope: { project_id: string; mode: KeyMode },
+  id: string,
+): Promise<RequestStatus | undefined> {
+  const { rows } = await sql<{ previous_status: RequestStatus }>`
+    with target as (
+      select requests.id, requests.status as previous_status
+      from gateway.requests
+      where requests.id = ${id} and requests.project_id = ${scope.project_id} and requests.mode = ${scope.mode}
+      for update
+    ), cancelled as (
+      update gateway.requests
+      set status = 'cancelled', finished_at = now(), next_attempt_at = null, updated_at = now()
+      from target
+      where requests.id = target.id and target.previous_status in ('queued', 'retrying', 'processing')
+      returning requests.id, requests.attempts
+    ), cut as (
+      update gateway.request_attempts
+      set outcome = 'cancelled', finished_at = now(),
+          duration_ms = round(extract(epoch from now() - request_attempts.started_at) * 1000)::int,
+          error_detail = 'the request was cancelled while its call was under way'
+      from cancelled
+      where request_attempts.request_id = cancelled.id and request_attempts.attempt_number = cancelled.attempts
+        and request_attempts.outcome = 'running'
+    )
+    select target.previous_status from target
+  `.execute(db);
+  return rows[0]?.previous_status;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The worker's side: recording how attempts ended (they are started by gateway.claim_lane, see
 // lanes/repository.ts), and finding those whose worker died.
@@ -310,7 +349,7 @@ export async function deleteFinishedBefore(db: Db, cutoffId: string, limit: numb
   const { rows } = await sql<{ deleted: string }>`
     with doomed as (
       select id from gateway.requests
-      where id < ${cutoffId} and status in ('completed', 'failed')
+      where id < ${cutoffId} and status in ('completed', 'failed', 'cancelled')
       order by id
       limit ${limit}
       for update skip locked
@@ -344,7 +383,7 @@ export async function dropBodiesBefore(
       limit ${limit}
     ), dropped as (
       update gateway.requests set body = null
-      where id in (select id from batch) and status in ('completed', 'failed') and body is not null
+      where id in (select id from batch) and status in ('completed', 'failed', 'cancelled') and body is not null
       returning 1
     ), moved as (
       insert into gateway.retention_cursors (task, last_request_id)
@@ -365,4 +404,12 @@ export async function findRequestLane(db: Db, id: string): Promise<string | unde
     .where('finished_at', 'is', null)
     .executeTakeFirst();
   return row?.lane_id ?? undefined;
+}
+
+/** Of these requests, those that have ended. */
+export async function findEnded(db: Db, ids: readonly string[]): Promise<string[]> {
+  const { rows } = await sql<{ id: string }>`
+    select id from gateway.requests where id = any(${ids}::text[]) and finished_at is not null
+  `.execute(db);
+  return rows.map((row) => row.id);
 }

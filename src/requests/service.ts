@@ -3,7 +3,7 @@
 import type { Config } from '../config.ts';
 import { TERMINAL_STATUSES, type RequestStatus } from '../db/database.ts';
 import { isDatabaseUnavailable, type Db } from '../db/pool.ts';
-import { idempotencyKeyReused, requestNotFound } from '../errors.ts';
+import { idempotencyKeyReused, requestAlreadyFinished, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce } from '../keys/repository.ts';
 import type { Batcher } from '../db/batcher.ts';
@@ -208,5 +208,22 @@ export async function lookup(deps: Pick<RequestDeps, 'reads' | 'intake'>, auth: 
   if (!REQUEST_ID.test(id)) throw requestNotFound();
   const row = await deps.reads.submit(id);
   if (row === undefined || row.project_id !== auth.projectId || row.mode !== auth.mode) throw requestNotFound();
+  return row;
+}
+
+/**
+ * Cancels the caller's request: one that has not ended becomes cancelled (a call under way is
+ * aborted by the worker that holds it); a cancelled one answers its record again; a completed or
+ * failed one is a 409; an unknown id, or one of another project or mode, a 404.
+ */
+export async function cancel(deps: Pick<RequestDeps, 'db' | 'reads' | 'intake' | 'metrics'>, auth: Auth, id: string): Promise<RequestRow> {
+  deps.intake?.admitLookup(auth);
+  if (!REQUEST_ID.test(id)) throw requestNotFound();
+  const previous = await repository.cancelRequest(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
+  if (previous === undefined) throw requestNotFound();
+  if (previous === 'completed' || previous === 'failed') throw requestAlreadyFinished(previous);
+  if (previous !== 'cancelled') deps.metrics.cancelled.inc({ mode: auth.mode, from: previous });
+  const row = await deps.reads.submit(id);
+  if (row === undefined) throw requestNotFound();
   return row;
 }

@@ -43,6 +43,8 @@ export interface CallTarget {
 /** Why a call was aborted (AbortController.abort's reason). */
 export const ABORTED_BY_SHUTDOWN = 'shutdown';
 export const ABORTED_BY_TIMEOUT = 'timeout';
+/** Its request ended meanwhile (cancelled, or finished by another worker): its attempt is recorded already. */
+export const ABORTED_AS_ENDED = 'ended';
 
 /** What became of a request once its attempt was recorded; stale: another worker had taken it over. */
 export type Recorded = { status: 'completed'; result: string } | { status: 'failed' | 'retrying' | 'stale' };
@@ -85,6 +87,11 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     const begun = performance.now();
     let outcome = await call(target, started, signal);
     const durationMs = Math.round(performance.now() - begun);
+    if (signal.reason === ABORTED_AS_ENDED) {
+      deps.metrics.attempts.inc({ mode: target.mode, outcome: 'cancelled', code: 'none' });
+      log.debug({ requestId: started.id, attempt: started.attempt, durationMs }, 'call aborted: its request ended meanwhile');
+      return { status: 'stale' };
+    }
     if (!outcome.ok && signal.reason === ABORTED_BY_SHUTDOWN) {
       outcome = { ok: false, code: 'worker_lost', detail: 'the worker shut down before the upstream answered', upstreamStatus: null };
     }

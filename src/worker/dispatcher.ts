@@ -15,6 +15,11 @@
 // Dispatches of one lane in one process run one at a time: calls that arrive meanwhile share
 // the next.
 //
+// A call whose request ends meanwhile (cancelled, or finished by another worker after this one
+// was presumed dead) is aborted as soon as the process hears of it: the requests' ends are
+// announced on gateway_requests_finished, and while that LISTEN connection is down the
+// dispatcher asks the database about its calls every second instead.
+//
 // If the process dies, its calls die with it; their attempts stay running in the database until
 // the supervisor's sweep finds this worker's heartbeat gone and records them as worker_lost.
 import { randomBytes } from 'node:crypto';
@@ -23,10 +28,11 @@ import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import { addDispatch, claimLane, findLane, type Lane, type StartedAttempt } from '../lanes/repository.ts';
+import { findEnded } from '../requests/repository.ts';
 import { modelLabel } from '../lanes/routing.ts';
 import { SIMULATOR, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
-import { ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, type Attempts, type CallTarget } from './attempts.ts';
+import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, type Attempts, type CallTarget } from './attempts.ts';
 
 export interface DispatcherOptions {
   db: Db;
@@ -45,6 +51,8 @@ const CLAIM_BATCH = 500;
 const START_SLICE = 50;
 // How long a statement is retried while the database is unreachable.
 const OUTAGE_PATIENCE_MS = 60_000;
+// How often the calls' requests are checked while their ends cannot be heard.
+const ENDED_POLL_MS = 1_000;
 const NO_LIMITS: LaneLimits = { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined };
 
 /** Where a lane's calls go, and its limits. */
@@ -76,10 +84,40 @@ export class Dispatcher {
   /** Calls in flight, by request id. */
   readonly #calls = new Map<string, { controller: AbortController; done: Promise<unknown> }>();
   #stopping = false;
+  #polling: NodeJS.Timeout | undefined;
 
   constructor(options: DispatcherOptions) {
     this.#options = options;
     this.#log = options.logger.child({ component: 'dispatcher' });
+  }
+
+  /** These requests ended (gateway_requests_finished): a call of one still in flight here is aborted. */
+  ended(ids: Iterable<string>): void {
+    for (const id of ids) this.#calls.get(id)?.controller.abort(ABORTED_AS_ENDED);
+  }
+
+  /**
+   * Whether the requests' ends can be heard (the LISTEN connection is up). While they cannot,
+   * the calls' requests are checked every second; once they can again, once more, for the ends
+   * announced while nobody listened.
+   */
+  hearing(listening: boolean): void {
+    clearInterval(this.#polling);
+    this.#polling = undefined;
+    if (!listening) {
+      this.#polling = setInterval(() => this.#checkEnded(), ENDED_POLL_MS);
+      this.#polling.unref();
+    } else {
+      this.#checkEnded();
+    }
+  }
+
+  #checkEnded(): void {
+    if (this.#calls.size === 0) return;
+    findEnded(this.#options.db, [...this.#calls.keys()]).then(
+      (ids) => this.ended(ids),
+      (error: unknown) => this.#log.debug({ err: errorSummary(error) }, 'could not check whether the calls\' requests ended'),
+    );
   }
 
   /** Calls in flight now, by mode. */
@@ -108,6 +146,7 @@ export class Dispatcher {
   /** Takes no more; lets calls in flight finish for SHUTDOWN_GRACE_MS, then aborts the rest (worker_lost). */
   async stop(): Promise<void> {
     this.#stopping = true;
+    clearInterval(this.#polling);
     await Promise.all([...this.#lanes.values()].map((lane) => lane.loop));
     const all = () => Promise.all([...this.#calls.values()].map((call) => call.done));
     let timer: NodeJS.Timeout | undefined;

@@ -57,4 +57,4 @@ export async function waitForRow(
   return row;
 }
 
-export const isTerminal = (row: { status: string }) => row.status === 'completed' || row.status === 'failed';
+export const isTerminal = (row: { status: string }) => row.status === 'completed' || row.status === 'failed' || row.status === 'cancelled';

@@ -7,6 +7,8 @@ export interface ReceivedCall {
   count: number;
   headers: http.IncomingHttpHeaders;
   body: any;
+  /** Date.now() when the call's connection closed, once it has (a call left hanging shows when its client gave up). */
+  closedAt?: number;
 }
 
 export type Reply =
@@ -38,6 +40,7 @@ export async function startFakeUpstream(
     const text = Buffer.concat(chunks).toString('utf8');
     const call: ReceivedCall = { count: calls.length + 1, headers: request.headers, body: JSON.parse(text) };
     calls.push(call);
+    response.once('close', () => (call.closedAt = Date.now()));
     const answer = await reply(call);
     if ('hang' in answer) return; // never answers; the gateway's timeout must end it
     if ('reset' in answer) {

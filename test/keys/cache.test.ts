@@ -70,7 +70,7 @@ t.test('a waiter gets its answer although the LISTEN connection died during its 
     wait: true,
   });
   await until(() => api.waiters!.size === 1, 'waiting');
-  t.equal(await killListener(api), 1);
+  t.equal(await killListener(api), 2, 'the API\'s LISTEN connection is killed (and the worker\'s)');
   const answer = await pending;
   t.equal(answer.status, 200);
   t.equal(answer.body.choices[0].message.content, 'despite it all');

@@ -1,0 +1,184 @@
+// POST /v1/requests/{id}/cancel (CONTRACT.md section 12), in each state: a queued or retrying
+// request is cancelled at once and never attempted again; a processing one has its upstream call
+// aborted by the worker process that holds it, and its attempt recorded as cancelled; a waiting
+// wait=true client is answered at once; a finished request is a 409, another's a 404.
+import t from 'tap';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor, send, userMessage } from '../helpers/http.ts';
+import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
+import { spawnServe } from '../helpers/serve.ts';
+import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { until } from '../helpers/wait.ts';
+
+const RECORD_FIELDS = ['attempts', 'created_at', 'id', 'last_error_code', 'status', 'updated_at'];
+const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function cancelOf(baseUrl: string, key: Parameters<typeof clientFor>[1]) {
+  return (id: string, body?: string) =>
+    send(baseUrl, { method: 'POST', path: `/v1/requests/${id}/cancel`, key, ...(body === undefined ? {} : { body }) });
+}
+
+t.test('a queued request: cancelled at once, answered with its record, and never attempted', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const key = await api.createKey();
+  const accepted = await clientFor(api.url, key).post({ model: 'test-echo', messages: userMessage() });
+  const cancel = cancelOf(api.url, key);
+
+  const answer = await cancel(accepted.body.id);
+  t.equal(answer.status, 200);
+  t.same(Object.keys(answer.body).sort(), RECORD_FIELDS, 'the record, without result');
+  t.match(answer.body, { id: accepted.body.id, status: 'cancelled', attempts: 0, last_error_code: null });
+  t.match(await requestRow(api.db, accepted.body.id), { status: 'cancelled', attempts: 0 });
+  t.ok((await requestRow(api.db, accepted.body.id))?.finished_at, 'finished');
+
+  const again = await cancel(accepted.body.id);
+  t.equal(again.status, 200, 'cancelling it again answers its record again');
+  t.same(again.body, answer.body);
+
+  await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
+  await sleep(500);
+  t.same(await attemptRows(api.db, accepted.body.id), [], 'a worker never starts it');
+  t.match(await requestRow(api.db, accepted.body.id), { status: 'cancelled' });
+  const lookup = await clientFor(api.url, key).get(accepted.body.id);
+  t.match(lookup.body, { status: 'cancelled' }, 'lookups show it cancelled');
+});
+
+t.test('a retrying request: cancelled, its last_error_code kept, not attempted again', async (t) => {
+  const upstream = await startFakeUpstream(t, () => ({ status: 500, json: { error: { message: 'down' } } }));
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, RETRY_BASE_MS: '60000', RETRY_MAX_MS: '60000' },
+  });
+  const key = await gateway.createKey({ mode: 'live' });
+  const accepted = await clientFor(gateway.url, key).post({ model: 'gpt-x', messages: userMessage() });
+  await waitForRow(gateway.db, accepted.body.id, (row) => row.status === 'retrying');
+
+  const answer = await cancelOf(gateway.url, key)(accepted.body.id);
+  t.equal(answer.status, 200);
+  t.match(answer.body, { status: 'cancelled', attempts: 1, last_error_code: 'upstream_server_error' });
+  await gateway.pool.query(`update gateway.requests set updated_at = updated_at where id = $1`, [accepted.body.id]);
+  // Were its retry's dispatch to come due now, nothing would start it.
+  await gateway.pool.query(`update graphile_worker._private_jobs set run_at = now()`);
+  await sleep(500);
+  t.equal(upstream.calls.length, 1, 'the upstream was called once, for the attempt before the cancel');
+  t.match(await attemptRows(gateway.db, accepted.body.id), [{ attempt_number: 1, outcome: 'failed' }]);
+});
+
+t.test('a processing request in another worker process: its call aborted within a second, its attempt recorded as cancelled', async (t) => {
+  const upstream = await startFakeUpstream(t, () => ({ hang: true }));
+  const api = await startTestGateway(t, { role: 'api', env: { UPSTREAM_BASE_URL: upstream.baseUrl, WAIT_TIMEOUT_MS: '20000' } });
+  const worker = spawnServe(
+    t,
+    {
+      DATABASE_URL: api.databaseUrl,
+      UPSTREAM_BASE_URL: upstream.baseUrl,
+      UPSTREAM_TIMEOUT_MS: '60000',
+      PORT: '0',
+      HOST: '127.0.0.1',
+      LOG_LEVEL: 'info',
+      WORKER_POLL_INTERVAL_MS: '50',
+    },
+    ['--role', 'worker'],
+  );
+  await until(() => worker.output().includes('worker pool started'), () => `the worker:\n${worker.output()}`, 15_000);
+  const key = await api.createKey({ mode: 'live' });
+  // A client waiting for it (wait=true) too.
+  const waiting = clientFor(api.url, key).post({ model: 'gpt-x', messages: userMessage(), wait: true });
+  await until(() => upstream.calls.length === 1, 'the call to reach the upstream', 10_000);
+  const call = upstream.calls[0]!;
+  const id = (await api.pool.query(`select id from gateway.requests`)).rows[0].id as string;
+  t.match(await requestRow(api.db, id), { status: 'processing', attempts: 1 });
+
+  const cancelledAt = Date.now();
+  const answer = await cancelOf(api.url, key)(id);
+  t.equal(answer.status, 200);
+  t.match(answer.body, { status: 'cancelled', attempts: 1 });
+
+  const acknowledged = await waiting;
+  t.equal(acknowledged.status, 202, 'the waiting client is answered at once');
+  t.match(acknowledged.body, { id, object: 'chat.completion.async', status: 'cancelled' });
+  t.ok(Date.now() - cancelledAt < 1_000, 'within a second');
+
+  await until(() => call.closedAt !== undefined, 'the upstream connection to close', 1_000);
+  t.ok(call.closedAt! - cancelledAt < 1_000, `the upstream saw its connection closed ${call.closedAt! - cancelledAt} ms after the cancel`);
+  t.match(await attemptRows(api.db, id), [{ attempt_number: 1, outcome: 'cancelled', error_code: null }], 'the attempt recorded as cancelled');
+  await sleep(300);
+  t.match(await requestRow(api.db, id), { status: 'cancelled', result: null }, 'and it stays cancelled');
+  t.equal(upstream.calls.length, 1, 'no retry');
+});
+
+t.test('completed and failed requests are a 409; another project\'s, another mode\'s and unknown ids a 404', async (t) => {
+  const gateway = await startTestGateway(t);
+  const key = await gateway.createKey({ project: 'mine' });
+  const client = clientFor(gateway.url, key);
+  const cancel = cancelOf(gateway.url, key);
+  const completed = (await client.post({ model: 'test-echo', messages: userMessage() })).body.id;
+  const failed = (await client.post({ model: 'test-error-400', messages: userMessage() })).body.id;
+  for (const id of [completed, failed]) await waitForRow(gateway.db, id, isTerminal);
+  for (const id of [completed, failed]) {
+    const answer = await cancel(id);
+    t.equal(answer.status, 409);
+    t.match(answer.body.error, { type: 'invalid_request_error', code: 'request_already_finished', param: null });
+  }
+  t.match(await requestRow(gateway.db, completed), { status: 'completed' }, 'unchanged');
+
+  const queued = (await client.post({ model: 'test-delay-1500', messages: userMessage() })).body.id;
+  for (const other of [await gateway.createKey({ project: 'theirs' }), await gateway.createKey({ project: 'mine', mode: 'live' })]) {
+    const answer = await cancelOf(gateway.url, other)(queued);
+    t.equal(answer.status, 404);
+    t.match(answer.body.error, { type: 'not_found_error', code: 'request_not_found' });
+  }
+  for (const id of ['req_00000000000000000000', 'not-an-id']) t.equal((await cancel(id)).status, 404);
+  t.not((await requestRow(gateway.db, queued))?.status, 'cancelled', 'their cancels changed nothing');
+});
+
+t.test('a cancel is signed and takes no body', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const key = await api.createKey();
+  const id = (await clientFor(api.url, key).post({ model: 'test-echo', messages: userMessage() })).body.id;
+  const withBody = await cancelOf(api.url, key)(id, '{}');
+  t.equal(withBody.status, 400);
+  t.match(withBody.body.error, { code: 'invalid_body' });
+  const unsigned = await send(api.url, { method: 'POST', path: `/v1/requests/${id}/cancel`, key: key.api_key });
+  t.equal(unsigned.status, 401);
+  t.match(unsigned.body.error, { code: 'missing_signature' });
+  t.match(await requestRow(api.db, id), { status: 'queued' }, 'neither cancelled it');
+});
+
+t.test('a cancel racing the upstream\'s answer: each request ends cancelled or completed, never both', async (t) => {
+  const upstream = await startFakeUpstream(t, async (call) => {
+    await sleep(100);
+    return { status: 200, json: completionFor(call.body) };
+  });
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+  const key = await gateway.createKey({ mode: 'live' });
+  const client = clientFor(gateway.url, key);
+  const cancel = cancelOf(gateway.url, key);
+  const ids: string[] = [];
+  await Promise.all(
+    Array.from({ length: 40 }, async (_, i) => {
+      const id = (await client.post({ model: 'gpt-x', messages: userMessage(`race ${i}`) })).body.id as string;
+      ids.push(id);
+      // Around the moment the answer comes back.
+      await sleep(80 + (i % 8) * 10);
+      const answer = await cancel(id);
+      t.ok(answer.status === 200 || answer.status === 409, `cancel answered ${answer.status}`);
+    }),
+  );
+  const ended = { cancelled: 0, completed: 0 };
+  for (const id of ids) {
+    const row = await waitForRow(gateway.db, id, isTerminal);
+    const attempts = await attemptRows(gateway.db, id);
+    if (row.status === 'cancelled') {
+      ended.cancelled++;
+      t.equal(row.result, null);
+      t.ok(attempts.every((attempt) => attempt.outcome !== 'succeeded'), 'no attempt of a cancelled request succeeded');
+    } else {
+      ended.completed++;
+      t.equal(row.status, 'completed');
+      t.ok(row.result);
+      t.match(attempts.at(-1), { outcome: 'succeeded' });
+    }
+  }
+  t.comment(`cancelled ${ended.cancelled}, completed ${ended.completed}`);
+  t.equal(ended.cancelled + ended.completed, ids.length);
+});
