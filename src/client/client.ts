@@ -9,7 +9,8 @@ import {
 } from './errors.ts';
 import { Chat } from './resources/chat.ts';
 import { Requests } from './resources/requests.ts';
-import { backoffMs, isRetryableStatus, MAX_RETRY_AFTER_MS, retryAfterMs, sleep } from './retry.ts';
+import { Webhooks } from './resources/webhooks.ts';
+import { backoffMs, isRetryableAnswer, MAX_RETRY_AFTER_MS, retryAfterMs, sleep } from './retry.ts';
 import { normalizeBaseURL, pathRelativeTo, SIGNATURE_HEADER, signRequest } from './signing.ts';
 
 export type Fetch = (input: string | URL | Request, init?: RequestInit) => Promise<Response>;
@@ -57,6 +58,7 @@ export const DEFAULT_MAX_RETRIES = 2;
 export class Gateway {
   readonly chat: Chat;
   readonly requests: Requests;
+  readonly webhooks: Webhooks;
 
   /** The base URL in use, normalized. */
   readonly baseURL: string;
@@ -82,6 +84,7 @@ export class Gateway {
     const request: RequestFunction = (apiRequest, requestOptions) => this.#request(apiRequest, requestOptions);
     this.chat = new Chat(request);
     this.requests = new Requests(request);
+    this.webhooks = new Webhooks();
   }
 
   async #request<T>(request: APIRequest, options: RequestOptions = {}): Promise<T> {
@@ -98,7 +101,7 @@ export class Gateway {
         const { response, text } = await this.#attempt(request.method, url, body, timeout, options.signal);
         if (response.ok) return parseSuccess<T>(response, text);
         failure = APIError.generate(response.status, parseJson(text), text.slice(0, 500) || undefined, response.headers);
-        if (!isRetryableStatus(response.status)) throw failure;
+        if (!isRetryableAnswer(response.status, failure.code)) throw failure;
         waitMs = retryAfterMs(response.headers);
       } catch (error) {
         // Connection failures and timeouts are retried; an abort or a final answer is not.

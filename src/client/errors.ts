@@ -1,6 +1,7 @@
 // What a failed call throws. Every error of the library is a GatewayError; an answer from the
 // server that is not a success is an APIError of the class its status chooses (APIError.generate),
-// carrying the contract's { message, type, code, param } and the response headers.
+// carrying the contract's { message, type, code, param } and the response headers. A webhook
+// delivery that does not verify is a WebhookVerificationError: no call was made, so no APIError.
 import type { ErrorObject } from './types.ts';
 
 export class GatewayError extends Error {
@@ -72,6 +73,7 @@ export class NotFoundError extends APIError {
   override name = 'NotFoundError';
 }
 
+/** 409: e.g. `request_already_finished`, cancelling a request that is completed or failed. */
 export class ConflictError extends APIError {
   override name = 'ConflictError';
 }
@@ -111,6 +113,34 @@ export class APIUserAbortError extends APIError {
   override name = 'APIUserAbortError';
   constructor(options: { message?: string; cause?: unknown } = {}) {
     super(undefined, undefined, options.message ?? 'Request was aborted.', undefined, { cause: options.cause });
+  }
+}
+
+/**
+ * Why `webhooks.unwrap` refused a delivery:
+ * - `missing_header`: webhook-id, webhook-timestamp or webhook-signature is absent or empty;
+ * - `invalid_header`: webhook-timestamp is not a whole number of seconds;
+ * - `invalid_signature`: no v1 signature in webhook-signature matches the body under the secret;
+ * - `timestamp_too_old`: webhook-timestamp is more than 300 s in the past (perhaps a replay);
+ * - `timestamp_in_future`: webhook-timestamp is more than 300 s ahead (a clock is wrong);
+ * - `invalid_body`: validly signed, but not a JSON event `{ type, timestamp, data }`.
+ */
+export type WebhookVerificationErrorCode =
+  | 'missing_header'
+  | 'invalid_header'
+  | 'invalid_signature'
+  | 'timestamp_too_old'
+  | 'timestamp_in_future'
+  | 'invalid_body';
+
+/** A webhook delivery that does not verify: answer it with a 4xx and do not act on it. */
+export class WebhookVerificationError extends GatewayError {
+  override name = 'WebhookVerificationError';
+  readonly code: WebhookVerificationErrorCode;
+
+  constructor(code: WebhookVerificationErrorCode, message: string) {
+    super(message);
+    this.code = code;
   }
 }
 

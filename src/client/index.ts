@@ -1,4 +1,4 @@
-// chat-gateway/client: the zero-dependency client of the gateway (CONTRACT.md section 8).
+// chat-gateway/client: the zero-dependency client of the gateway (CONTRACT.md sections 8, 12 and 13).
 //
 //   const client = new Gateway({ apiKey, signingSecret, baseURL });
 //   const res = await client.chat.completions.create({ model, messages, wait: true });
@@ -17,6 +17,7 @@ export {
 } from './client.ts';
 export { Chat, Completions } from './resources/chat.ts';
 export { Requests, type PollOptions } from './resources/requests.ts';
+export { Webhooks, type WebhookHeaders } from './resources/webhooks.ts';
 export {
   GatewayError,
   APIError,
@@ -31,6 +32,8 @@ export {
   APIConnectionError,
   APIConnectionTimeoutError,
   APIUserAbortError,
+  WebhookVerificationError,
+  type WebhookVerificationErrorCode,
 } from './errors.ts';
 export {
   SIGNATURE_HEADER,
@@ -42,4 +45,11 @@ export {
   type RequestSignature,
 } from './signing.ts';
 export { createSigningFetch, type SigningFetchOptions } from './signing-fetch.ts';
+export {
+  WEBHOOK_SECRET_PREFIX,
+  WEBHOOK_TOLERANCE_SECONDS,
+  signWebhook,
+  webhookSignatureMatches,
+  type WebhookBody,
+} from './webhooks.ts';
 export type * from './types.ts';

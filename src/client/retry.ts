@@ -7,9 +7,19 @@ export const MAX_RETRY_AFTER_MS = 60_000;
 const INITIAL_BACKOFF_MS = 500;
 const MAX_BACKOFF_MS = 8_000;
 
-/** 408 and 409 (lock and request timeouts), 429 and every 5xx; other 4xx would fail again. */
-export function isRetryableStatus(status: number): boolean {
-  return status === 408 || status === 409 || status === 429 || status >= 500;
+/**
+ * 409 codes that state how a request ended: asking again gets the same answer, so they are
+ * thrown at once although other 409s (lock timeouts, say) are retried.
+ */
+const FINAL_CONFLICT_CODES: ReadonlySet<string> = new Set(['request_already_finished']);
+
+/**
+ * 408 and 409 (lock and request timeouts), 429 and every 5xx; other 4xx would fail again, and
+ * so would a 409 whose `code` (from the error body, null without one) is final.
+ */
+export function isRetryableAnswer(status: number, code: string | null): boolean {
+  if (status === 409) return code === null || !FINAL_CONFLICT_CODES.has(code);
+  return status === 408 || status === 429 || status >= 500;
 }
 
 /**

@@ -1,4 +1,4 @@
-// The shapes the gateway accepts and answers (CONTRACT.md sections 1 to 3, SPEC.md 2 and 4.1).
+// The shapes the gateway accepts and answers (CONTRACT.md sections 1 to 3, 12 and 13, SPEC.md 2 and 4.1).
 
 export type ChatRole = 'system' | 'developer' | 'user' | 'assistant';
 
@@ -59,14 +59,18 @@ export interface CompletionUsage {
   total_tokens: number;
 }
 
-/** queued, processing and retrying are on the way; completed and failed are final. */
-export type RequestStatus = 'queued' | 'processing' | 'retrying' | 'completed' | 'failed';
+/** queued, processing and retrying are on the way; completed, failed and cancelled are final. */
+export type RequestStatus = 'queued' | 'processing' | 'retrying' | 'completed' | 'failed' | 'cancelled';
 
 /** The answer when the request is not (yet) completed: keep the id and look it up later. */
 export interface ChatCompletionAsync {
   /** The gateway's request id (`req_...`), never a `chatcmpl-` id. */
   id: string;
   object: 'chat.completion.async';
+  /**
+   * `queued` without `wait`; with `wait: true`, the status when the answer was sent: on the way
+   * when the server's wait ran out, or `failed` or `cancelled` when the request ended so.
+   */
   status: RequestStatus;
   /** Unix seconds. */
   created: number;
@@ -110,11 +114,42 @@ export interface FailedRequestRecord extends RequestRecordFields {
   status: 'failed';
 }
 
+/** Cancelled by a client before it finished; `last_error_code` stays what it was. */
+export interface CancelledRequestRecord extends RequestRecordFields {
+  status: 'cancelled';
+}
+
 /** GET /v1/requests/{id}: `result` is there exactly when the status is completed. */
-export type RequestRecord = PendingRequestRecord | CompletedRequestRecord | FailedRequestRecord;
+export type RequestRecord = PendingRequestRecord | CompletedRequestRecord | FailedRequestRecord | CancelledRequestRecord;
 
 /** A record that will never change again. */
-export type TerminalRequestRecord = CompletedRequestRecord | FailedRequestRecord;
+export type TerminalRequestRecord = CompletedRequestRecord | FailedRequestRecord | CancelledRequestRecord;
+
+/** The events a webhook endpoint can subscribe to: one per terminal status. */
+export type WebhookEventType = 'request.completed' | 'request.failed' | 'request.cancelled';
+
+interface WebhookEventFields {
+  /** ISO 8601 UTC: when the event happened. */
+  timestamp: string;
+}
+
+export interface RequestCompletedEvent extends WebhookEventFields {
+  type: 'request.completed';
+  data: CompletedRequestRecord;
+}
+
+export interface RequestFailedEvent extends WebhookEventFields {
+  type: 'request.failed';
+  data: FailedRequestRecord;
+}
+
+export interface RequestCancelledEvent extends WebhookEventFields {
+  type: 'request.cancelled';
+  data: CancelledRequestRecord;
+}
+
+/** The body of a webhook delivery (CONTRACT.md section 13): tell the events apart by `type`. */
+export type WebhookEvent = RequestCompletedEvent | RequestFailedEvent | RequestCancelledEvent;
 
 /** The error body of every failure (CONTRACT.md section 6). */
 export interface ErrorObject {

@@ -4,6 +4,7 @@ import t from 'tap';
 import {
   AuthenticationError,
   BadRequestError,
+  ConflictError,
   Gateway,
   NotFoundError,
   UnprocessableEntityError,
@@ -162,4 +163,21 @@ t.test('retries through a 503 and a dropped connection make exactly one request'
   t.equal(proxy.calls[1]!.answer?.status, 200, 'the dropped attempt was accepted by the gateway');
   t.equal(proxy.calls[2]!.answer?.status, 200);
   t.equal(proxy.calls[2]!.answer?.headers.get('idempotent-replayed'), 'true', 'the last attempt was answered as a replay');
+});
+
+t.test('cancel: a running request becomes cancelled, a second cancel answers it again, a finished one throws ConflictError', async (t) => {
+  const { gateway, client } = await setUp(t, { UPSTREAM_TIMEOUT_MS: '30000' });
+  const queued = await client.chat.completions.create({ model: 'test-delay-20000', messages: messages('too slow'), wait: false });
+  const cancelled = await client.requests.cancel(queued.id);
+  t.match(cancelled, { id: queued.id, status: 'cancelled' });
+  t.same(await client.requests.cancel(queued.id), cancelled, 'cancelling it again answers its record again');
+  t.match(await client.requests.poll(queued.id), { status: 'cancelled' }, 'poll ends on it');
+  t.match((await requestRows(gateway)).find((row) => row.id === queued.id), { status: 'cancelled' });
+
+  const done = await client.chat.completions.create({ model: 'test-echo', messages: messages(), wait: false });
+  await client.requests.poll(done.id);
+  const error = await client.requests.cancel(done.id).catch((caught: unknown) => caught);
+  t.ok(error instanceof ConflictError, 'ConflictError');
+  t.match(error, { status: 409, type: 'invalid_request_error', code: 'request_already_finished' });
+  await t.rejects(client.requests.cancel('req_00000000000000000000'), NotFoundError);
 });

@@ -7,4 +7,6 @@ t.test('chat-gateway/client is the client library', async (t) => {
   t.equal(byName.Gateway, bySource.Gateway);
   t.equal(byName.signRequest, bySource.signRequest);
   t.equal(typeof byName.createSigningFetch, 'function');
+  t.equal(byName.signWebhook, bySource.signWebhook);
+  t.equal(byName.WebhookVerificationError, bySource.WebhookVerificationError);
 });

@@ -1,4 +1,4 @@
-// requests.poll: looks a request up, backing off, until it is completed or failed.
+// requests.poll: looks a request up, backing off, until it is completed, failed or cancelled.
 import t from 'tap';
 import { APIUserAbortError, Gateway, NotFoundError } from '../../src/client/index.ts';
 import { API_KEY, BASE_URL, SECRET, checkCall, completion, errorResponse, jsonResponse, record, scriptedFetch } from './support.ts';
@@ -36,6 +36,15 @@ t.test('poll returns a failed record too: failed is final', async (t) => {
   const result = await client.requests.poll('req_0123456789abcdefghijklmn', { pollIntervalMs: 10 });
   t.same(result, failed);
   t.equal(calls.length, 2);
+});
+
+t.test('poll returns a cancelled record too: cancelled is final', async (t) => {
+  const cancelled = record('cancelled', { attempts: 1, last_error_code: 'upstream_timeout' });
+  const { client, calls } = clientWith([jsonResponse(200, record('retrying')), jsonResponse(200, cancelled), jsonResponse(200, record('queued'))]);
+  const result = await client.requests.poll('req_0123456789abcdefghijklmn', { pollIntervalMs: 10 });
+  t.same(result, cancelled);
+  t.equal(result.status, 'cancelled');
+  t.equal(calls.length, 2, 'no lookup after the cancelled record');
 });
 
 t.test('poll of an unknown id throws NotFoundError at once', async (t) => {

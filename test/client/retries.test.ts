@@ -84,6 +84,22 @@ t.test('408, 409, 429 and 500 are retried', async (t) => {
   }
 });
 
+t.test('a 409 request_already_finished is not retried, whatever the call, while other 409s are', async (t) => {
+  const finished = () => errorResponse(409, { type: 'invalid_request_error', code: 'request_already_finished' }, { 'retry-after': '0' });
+  const { client, calls } = clientWith([finished(), jsonResponse(200, completion())]);
+  const error = await client.chat.completions.create(params).catch((caught: unknown) => caught);
+  t.equal((error as { code?: string }).code, 'request_already_finished');
+  t.equal(calls.length, 1, 'one attempt only');
+
+  const other = clientWith([errorResponse(409, { type: 'api_error', code: 'lock_timeout' }, { 'retry-after': '0' }), jsonResponse(200, completion())]);
+  await other.client.chat.completions.create(params);
+  t.equal(other.calls.length, 2, 'a 409 with another code is retried');
+
+  const bodiless = clientWith([new Response('', { status: 409, headers: { 'retry-after': '0' } }), jsonResponse(200, completion())]);
+  await bodiless.client.chat.completions.create(params);
+  t.equal(bodiless.calls.length, 2, 'a 409 without an error body is retried');
+});
+
 t.test('400, 401, 403, 404, 413 and 422 are not retried', async (t) => {
   for (const status of [400, 401, 403, 404, 413, 422]) {
     const { client, calls } = clientWith([errorResponse(status, { type: 't', code: 'c' }), jsonResponse(200, completion())]);

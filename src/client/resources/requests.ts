@@ -1,7 +1,8 @@
-// client.requests: GET /v1/requests/{id} (CONTRACT.md section 3), and polling it to the end.
+// client.requests: GET /v1/requests/{id} (CONTRACT.md section 3), polling it to the end, and
+// POST /v1/requests/{id}/cancel (section 12).
 import type { RequestFunction, RequestOptions } from '../client.ts';
 import { sleep } from '../retry.ts';
-import type { RequestRecord, TerminalRequestRecord } from '../types.ts';
+import type { CancelledRequestRecord, RequestRecord, TerminalRequestRecord } from '../types.ts';
 
 export interface PollOptions extends RequestOptions {
   /** The first pause between lookups, in milliseconds; it doubles after each one. Default 250. */
@@ -23,14 +24,25 @@ export class Requests {
   }
 
   /**
-   * Looks the request up until it is completed or failed, pausing longer each time, and
-   * returns that final record. Give `signal` to stop waiting; `timeout` applies to each lookup.
+   * Cancels the request: one that is queued or retrying is never attempted, a running attempt is
+   * aborted. Resolves to its record, now `cancelled`; cancelling a cancelled request answers its
+   * record again, so the call is retried like a lookup. A ConflictError (code
+   * `request_already_finished`) when it is completed or failed already, and a NotFoundError
+   * for an unknown id or one of another project or mode.
+   */
+  cancel(id: string, options?: RequestOptions): Promise<CancelledRequestRecord> {
+    return this.#request({ method: 'POST', path: `/v1/requests/${encodeURIComponent(id)}/cancel` }, options);
+  }
+
+  /**
+   * Looks the request up until it is completed, failed or cancelled, pausing longer each time,
+   * and returns that final record. Give `signal` to stop waiting; `timeout` applies to each lookup.
    */
   async poll(id: string, options: PollOptions = {}): Promise<TerminalRequestRecord> {
     const { pollIntervalMs = 250, maxPollIntervalMs = 5_000, ...requestOptions } = options;
     for (let pause = pollIntervalMs; ; pause = Math.min(pause * 2, maxPollIntervalMs)) {
       const record = await this.get(id, requestOptions);
-      if (record.status === 'completed' || record.status === 'failed') return record;
+      if (record.status === 'completed' || record.status === 'failed' || record.status === 'cancelled') return record;
       // Up to a fifth less at random, so pollers started together spread out.
       await sleep(pause * (1 - Math.random() * 0.2), options.signal);
     }
