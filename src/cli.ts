@@ -8,6 +8,7 @@ import { requestCommand } from './cli/request.ts';
 import { listRequestsCommand, showRequestCommand, statsCommand } from './cli/requests.ts';
 import { upstreamsCommand } from './cli/upstreams.ts';
 import { usageCommand } from './cli/usage.ts';
+import { addWebhookCommand, listWebhooksCommand, removeWebhookCommand, rotateWebhookSecretCommand } from './cli/webhooks.ts';
 import { CommandError } from './cli/output.ts';
 import { isClusterChild, shareMetricsWithPrimary, startCluster } from './cluster.ts';
 import { loadConfig, type Config, ConfigError } from './config.ts';
@@ -31,6 +32,15 @@ const USAGE = `Usage: gateway <command>
                                its signing secret, once
   keys list [--project <name>] [--json]
   keys revoke <key id> [--json]
+  webhooks add --project <name> --url <url> [--events <event,...>] [--json]
+                               send the project's request.completed, request.failed and
+                               request.cancelled events (or those named) to the URL; prints the
+                               endpoint's id and signing secret, once
+  webhooks list [--project <name>] [--json]
+  webhooks remove <endpoint id> [--json]
+  webhooks rotate-secret <endpoint id> [--json]
+                               a new signing secret, printed once; the old one keeps signing
+                               beside it for 24 hours
   requests show <id> [--json]  one request and its attempts
   requests list [--status <s>] [--project <name>] [--mode live|test] [--limit <n>] [--json]
                                requests, newest first (20 by default)
@@ -76,6 +86,8 @@ async function main(argv: string[]): Promise<void> {
       });
     case 'keys':
       return keys(config, rest);
+    case 'webhooks':
+      return webhooks(config, rest);
     case 'request':
       return request(config, rest);
     case 'requests':
@@ -200,6 +212,49 @@ async function keys(config: Config, args: string[]): Promise<void> {
   }
 }
 
+async function webhooks(config: Config, args: string[]): Promise<void> {
+  const [subcommand, ...rest] = args;
+  switch (subcommand) {
+    case 'add': {
+      const { values } = parse(rest, {
+        project: { type: 'string' },
+        url: { type: 'string' },
+        events: { type: 'string' },
+        json: { type: 'boolean', default: false },
+      });
+      if (values.project === undefined || values.url === undefined) throw new UsageError('webhooks add needs --project <name> and --url <url>.');
+      const events = values.events?.split(',').map((event) => event.trim()).filter(Boolean);
+      return adminCommand(config, (db, { config: effective }) =>
+        addWebhookCommand(
+          db,
+          { encryptionKey: effective.secretEncryptionKey, allowPrivate: effective.webhooks.allowPrivate },
+          { project: values.project!, url: values.url!, json: values.json!, ...(events ? { events } : {}) },
+        ),
+      );
+    }
+    case 'list': {
+      const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });
+      return adminCommand(config, (db) =>
+        listWebhooksCommand(db, { ...(values.project ? { project: values.project } : {}), json: values.json! }),
+      );
+    }
+    case 'remove': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('webhooks remove needs exactly one endpoint id.');
+      return adminCommand(config, (db) => removeWebhookCommand(db, positionals[0]!, { json: values.json! }));
+    }
+    case 'rotate-secret': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('webhooks rotate-secret needs exactly one endpoint id.');
+      return adminCommand(config, (db, { config: effective }) =>
+        rotateWebhookSecretCommand(db, effective.secretEncryptionKey, positionals[0]!, { json: values.json! }),
+      );
+    }
+    default:
+      throw new UsageError('webhooks takes add, list, remove or rotate-secret.');
+  }
+}
+
 async function requests(config: Config, args: string[]): Promise<void> {
   const [subcommand, ...rest] = args;
   switch (subcommand) {
@@ -218,7 +273,7 @@ async function requests(config: Config, args: string[]): Promise<void> {
       });
       const filter = v.parse(
         v.object({
-          status: v.optional(v.picklist(['queued', 'processing', 'retrying', 'completed', 'failed'], '--status must be queued, processing, retrying, completed or failed')),
+          status: v.optional(v.picklist(['queued', 'processing', 'retrying', 'completed', 'failed', 'cancelled'], '--status must be queued, processing, retrying, completed, failed or cancelled')),
           project: v.optional(v.string()),
           mode: v.optional(v.picklist(['live', 'test'], '--mode must be live or test')),
           limit: v.pipe(v.string(), v.regex(/^\d+$/, '--limit must be a whole number'), v.transform(Number), v.minValue(1, '--limit must be at least 1'), v.maxValue(10_000, '--limit is at most 10000')),

@@ -60,3 +60,9 @@ export const KEY_ID = /^key_[A-Za-z0-9]{20,40}$/;
 export const newApiKey = (mode: KeyMode) => `svc_${mode}_${randomBase62(40)}`;
 export const newSigningSecret = () => `svc_sig_${randomBase62(40)}`;
 export const newKeyId = () => `key_${randomBase62(20)}`;
+
+export const WEBHOOK_ENDPOINT_ID = /^whe_[A-Za-z0-9]{20,40}$/;
+/** Written by gateway.enqueue_webhooks (sql/000009.sql): `msg_` and 32 hex digits. */
+export const WEBHOOK_MESSAGE_ID = /^msg_[A-Za-z0-9]{20,40}$/;
+
+export const newWebhookEndpointId = () => `whe_${randomBase62(24)}`;

@@ -20,6 +20,7 @@ import { intakeLimitsFor, type IntakeLimits } from './requests/intake.ts';
 import { createAttempts, type Attempts } from './worker/attempts.ts';
 import { Dispatcher } from './worker/dispatcher.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
+import { WebhookDeliverer } from './webhooks/deliverer.ts';
 
 export type Role = 'all' | 'api' | 'worker';
 
@@ -86,6 +87,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     // dispatches the requests it accepts on it.
     let workerDb: Db | undefined;
     let dispatcher: Dispatcher | undefined;
+    let deliverer: WebhookDeliverer | undefined;
     if (role !== 'api') {
       workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
       workerDb = createDb(workerPool);
@@ -108,6 +110,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         logger,
       });
       metrics.watchDispatcher(dispatcher);
+      deliverer = new WebhookDeliverer({ db: workerDb, config, workerId: dispatcher.workerId, metrics, logger });
       const hearing = dispatcher;
       listener.subscribe(FINISHED_CHANNEL, {
         notification: (payload) => hearing.ended(payload.split(',')),
@@ -125,6 +128,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       metrics.watchPool('api', apiPool);
       metrics.watchWaiters(waiters);
       metrics.watchQueue(db);
+      metrics.watchWebhooks(db);
       const lanes = new LaneRouter(db, config);
       intake = intakeLimitsFor(db, config, {
         logger,
@@ -147,11 +151,12 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       });
       server = await listen(app.callback(), config);
     }
-    if (workerPool && workerDb && attempts && dispatcher) {
+    if (workerPool && workerDb && attempts && dispatcher && deliverer) {
       if (role === 'worker') {
         await assertSchemaCurrent(workerPool);
         await listener.start();
         metrics.watchQueue(workerDb);
+        metrics.watchWebhooks(workerDb);
         if (options.http !== false) {
           server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);
         }
@@ -164,6 +169,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         logger,
         attempts,
         dispatcher,
+        deliverer,
       });
     }
   } catch (error) {

@@ -78,6 +78,13 @@ export class Metrics {
     registers: [this.registry],
   });
 
+  readonly webhookDeliveries = new client.Counter({
+    name: `${PREFIX}webhook_deliveries_total`,
+    help: 'Webhook delivery tries finished, by outcome: succeeded (a 2xx), failed (retried, or given up once the schedule is spent), disabled (a 410).',
+    labelNames: ['outcome'] as const,
+    registers: [this.registry],
+  });
+
   readonly #pools = new Map<string, pg.Pool>();
 
   constructor() {
@@ -165,6 +172,28 @@ export class Metrics {
             this.set({ status, mode }, Number(row?.count ?? 0));
           }
         }
+      },
+    });
+  }
+
+  /**
+   * gateway_webhook_oldest_pending_seconds: the age of the oldest webhook message not delivered
+   * nor given up, read from the database at each scrape (the same in every process: aggregate
+   * it with max).
+   */
+  watchWebhooks(db: Db): void {
+    new client.Gauge({
+      name: `${PREFIX}webhook_oldest_pending_seconds`,
+      help: 'Age of the oldest webhook message not yet delivered (nor given up), as the database has it; 0 when there is none.',
+      aggregator: 'max',
+      registers: [this.registry],
+      async collect() {
+        // (the partial index webhook_messages_unfinished answers it at once)
+        const { rows } = await sql<{ age: number | null }>`
+          select extract(epoch from now() - min(created_at))::float8 as age
+          from gateway.webhook_messages where finished_at is null
+        `.execute(db);
+        this.set(Math.max(0, rows[0]?.age ?? 0));
       },
     });
   }

@@ -1,7 +1,8 @@
 // The worker role's graphile-worker pool: dispatch_lane jobs (each wakes a lane; the dispatcher
-// starts what the lane has room for, and the job ends as soon as the calls are started), and the
+// starts what the lane has room for, and the job ends as soon as the calls are started),
+// deliver_webhook jobs (each starts one try of a webhook message: webhooks/deliverer.ts), and the
 // periodic cleanup tasks (graphile-worker's cron: each runs once per period across all workers).
-// Its jobs are all short: upstream calls in flight hold no graphile-worker slot.
+// Its jobs are all short: upstream calls and webhook tries in flight hold no graphile-worker slot.
 import type { RunnerOptions, Task } from 'graphile-worker';
 import type pg from 'pg';
 import * as v from 'valibot';
@@ -15,6 +16,8 @@ import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
 import type { Dispatcher } from './dispatcher.ts';
 import { graphileLogger } from './graphile-logger.ts';
 import { RETENTION, retentionTask } from './retention.ts';
+import type { WebhookDeliverer } from '../webhooks/deliverer.ts';
+import { DELIVER_WEBHOOK, DeliverWebhookPayload } from '../webhooks/jobs.ts';
 
 export interface WorkerDeps {
   config: Config;
@@ -23,6 +26,8 @@ export interface WorkerDeps {
   metrics: Metrics;
   logger: Logger;
   dispatcher: Dispatcher;
+  /** Delivers webhook messages (deliver_webhook jobs). */
+  deliverer: WebhookDeliverer;
 }
 
 /** graphile-worker's options for our task list (supervisor.ts runs and restarts it). */
@@ -50,6 +55,7 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
     taskList: {
       [DISPATCH_LANE]: dispatchLaneTask(deps),
       [PROCESS_REQUEST]: processRequestTask(deps),
+      [DELIVER_WEBHOOK]: deliverWebhookTask(deps.deliverer, deps.logger),
       [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
       [RETENTION]: retentionTask({ db: deps.db, config: deps.config, logger: deps.logger }),
     },
@@ -66,6 +72,19 @@ function dispatchLaneTask(deps: WorkerDeps): Task {
       return;
     }
     await deps.dispatcher.dispatch(parsed.output.lane_id);
+  };
+}
+
+/** Starts one try of a webhook message; the job ends once the try is under way (it holds no slot). */
+function deliverWebhookTask(deliverer: WebhookDeliverer, logger: Logger): Task {
+  const log = logger.child({ component: 'worker' });
+  return async (rawPayload, helpers) => {
+    const parsed = v.safeParse(DeliverWebhookPayload, rawPayload);
+    if (!parsed.success) {
+      log.error({ jobId: helpers.job.id }, 'deliver_webhook job with an invalid payload dropped');
+      return;
+    }
+    await deliverer.deliver(parsed.output.message_id);
   };
 }
 

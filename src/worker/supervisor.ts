@@ -7,8 +7,9 @@
 // - sweeps: a worker not heard from for WORKER_DEAD_AFTER_MS is presumed dead. Its pool's jobs
 //   are released with graphile_worker.force_unlock_workers, so they run again on a live worker
 //   instead of after graphile-worker's 4 h, and its attempts still running are recorded as
-//   worker_lost and retried. A process never sweeps its own current pool nor its own attempts
-//   (after an outage its heartbeat is stale too).
+//   worker_lost and retried, and its webhook tries under way recorded as failed and made again.
+//   A process never sweeps its own current pool nor its own attempts and tries (after an outage
+//   its heartbeat is stale too).
 import { EventEmitter } from 'node:events';
 import { hostname } from 'node:os';
 import { sql } from 'kysely';
@@ -105,6 +106,8 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
         if (released.length > 0) log.warn({ workers: released }, 'released the jobs of dead workers');
         const lost = await findLostAttempts(deps.db, deadAfterMs, live, RECOVERY_BATCH);
         if (lost.length > 0) await deps.attempts.recover(lost);
+        // Their webhook tries too: recorded as failed, and made again at once.
+        await deps.deliverer.recoverLost(deadAfterMs, live, RECOVERY_BATCH);
       })
       .catch((error: unknown) => log.debug({ err: errorSummary(error) }, 'sweep failed'));
   }, beatMs);
@@ -128,6 +131,8 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       // (recorded as worker_lost and retried at once elsewhere); the pool's dispatches meanwhile
       // hand their lanes to other workers.
       const flightsLanded = dispatcher.stop();
+      // Webhook tries alike: given the grace time, then aborted and retried at once.
+      const triesLanded = deps.deliverer.stop();
       const pool = current;
       current = undefined;
       if (pool) {
@@ -136,6 +141,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
         });
       }
       await flightsLanded;
+      await triesLanded;
       if (!pool) {
         await release(deps.db, [dispatcher.workerId]).catch(() => {});
         return;

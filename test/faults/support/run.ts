@@ -14,7 +14,7 @@ export const UPSTREAM_API_KEY = 'sk-faults-upstream-key-9c4f1e27b83d';
 /** Every message content the suite sends contains this, so a leak into a log is easy to find. */
 export const CONTENT_MARKER = 'faults-private-content';
 
-export type SecretKind = 'api_key' | 'signing_secret' | 'upstream_api_key' | 'content';
+export type SecretKind = 'api_key' | 'signing_secret' | 'upstream_api_key' | 'content' | 'webhook_secret';
 
 export interface RecordedSecret {
   kind: SecretKind;
@@ -31,6 +31,7 @@ export const SCENARIOS = [
   '4-chaos-upstream',
   '5-hostile-input',
   '6-isolation-and-logs',
+  '7-webhook-receiver-down',
 ] as const;
 
 const PREFIX = 'gateway-faults-';

@@ -1,0 +1,480 @@
+// The deliverer on its own (no graphile-worker: the test runs the deliver_webhook jobs that are
+// due), against a real database and a loopback receiver that verifies every delivery with the
+// official standardwebhooks package: what is sent and how it is signed, retries on the
+// schedule, 410, the SSRF guard, secret rotation, capacity, a missing encryption key, the
+// sweep's recovery of lost tries, and shutdown.
+import { sql } from 'kysely';
+import t from 'tap';
+import { claimMessage } from '../../src/webhooks/delivery-repository.ts';
+import { eventBody, MAX_RETRY_WAIT_MS, nextTryDelay } from '../../src/webhooks/deliverer.ts';
+import { removeEndpoint, rotateSecret } from '../../src/webhooks/endpoints.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor } from '../helpers/http.ts';
+import { freePort } from '../helpers/ports.ts';
+import { until } from '../helpers/wait.ts';
+import {
+  addTestEndpoint,
+  deliveryJobs,
+  endRequest,
+  messagesOf,
+  metricValue,
+  startReceiver,
+  testDeliverer,
+  triesOf,
+} from './support.ts';
+
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+
+t.test('the wait before each retry: the schedule with ±10 % jitter, a longer retry-after, at most 24 h, none once spent', async (t) => {
+  const schedule = [5_000, 300_000];
+  t.equal(nextTryDelay(schedule, 1, undefined, () => 0), 4_500);
+  t.equal(nextTryDelay(schedule, 1, undefined, () => 1), 5_500);
+  t.equal(nextTryDelay(schedule, 2, undefined, () => 0.5), 300_000);
+  t.equal(nextTryDelay(schedule, 1, 60_000, () => 0.5), 60_000, 'a retry-after longer than the wait is honoured');
+  t.equal(nextTryDelay(schedule, 1, 1_000, () => 0.5), 5_000, 'a shorter one changes nothing');
+  t.equal(nextTryDelay(schedule, 1, 3 * MAX_RETRY_WAIT_MS, () => 0.5), MAX_RETRY_WAIT_MS, 'capped at 24 h');
+  t.equal(nextTryDelay(schedule, 3), undefined, 'the schedule is spent after its last entry');
+  for (let i = 0; i < 1_000; i++) {
+    const delay = nextTryDelay(schedule, 1)!;
+    if (delay < 4_500 || delay > 5_500) t.fail(`delay ${delay} outside ±10 %`);
+  }
+});
+
+t.test('a delivery carries the event and the lookup record, signed as Standard Webhooks says; it is recorded delivered', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  receiver.secrets = [endpoint.secret];
+  const { deliverer, metrics, runDueJobs } = testDeliverer(t, gateway);
+
+  const ids = {
+    completed: await endRequest(gateway, key, 'completed'),
+    failed: await endRequest(gateway, key, 'failed'),
+    cancelled: await endRequest(gateway, key, 'cancelled'),
+  };
+  const messages = await messagesOf(gateway.db);
+  t.equal(messages.length, 3, 'one message per request that ended');
+  t.same(messages.map((message) => message.status), ['pending', 'pending', 'pending']);
+  t.equal((await deliveryJobs(gateway.db)).length, 3, 'each with its deliver_webhook job, written by the same transaction');
+
+  t.same((await runDueJobs()).sort(), ['started', 'started', 'started'], 'each job starts a try and ends');
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.status === 'delivered'), 'all delivered');
+  t.equal(receiver.deliveries.length, 3, 'each event sent once');
+
+  const lookup = clientFor(gateway.url, key);
+  for (const [status, id] of Object.entries(ids)) {
+    const message = (await messagesOf(gateway.db, id))[0]!;
+    const delivery = receiver.deliveries.find((candidate) => candidate.headers['webhook-id'] === message.id);
+    t.ok(delivery, `the ${status} request's event arrived, webhook-id = the message id`);
+    if (!delivery) continue;
+    t.same(delivery.verifiedWith, [0], 'standardwebhooks verifies it with the endpoint\'s secret');
+    t.equal(delivery.headers['content-type'], 'application/json');
+    t.match(delivery.headers['webhook-signature'], /^v1,[A-Za-z0-9+/]+={0,2}$/, 'one signature: one active secret');
+    t.ok(Math.abs(Number(delivery.headers['webhook-timestamp']) - Date.now() / 1000) < 10, 'webhook-timestamp is now, in Unix seconds');
+    t.equal(delivery.path, '/hooks');
+    const record = await lookup.get(id);
+    t.equal(record.status, 200);
+    t.equal(
+      delivery.body,
+      `{"type":"request.${status}","timestamp":"${message.created_at.toISOString()}","data":${record.text}}`,
+      'the body: type, the time the request ended, and the record exactly as GET /v1/requests/{id} answers it',
+    );
+    t.same(delivery.event, { type: `request.${status}`, timestamp: message.created_at.toISOString(), data: record.body });
+    t.equal('result' in (delivery.event?.data ?? {}), status === 'completed', 'result only when completed');
+
+    const [row] = await messagesOf(gateway.db, id);
+    t.match(row, { status: 'delivered', tries: 1, worker_id: null, next_try_at: null });
+    t.ok(row?.finished_at, 'finished');
+    const tries = await triesOf(gateway.db, message.id);
+    t.match(tries, [{ try_number: 1, outcome: 'succeeded', http_status: 204, error: null }]);
+    t.ok(tries[0]!.duration_ms !== null && tries[0]!.finished_at !== null);
+  }
+  t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="succeeded"}'), 3);
+  t.equal(deliverer.inFlight, 0);
+  t.same(await runDueJobs(), [], 'no job is left');
+  t.equal(eventBody({ event_type: 'request.failed', created_at: new Date(0), request: { id: 'req_x', status: 'failed', attempts: 1, created_at: new Date(0), updated_at: new Date(0), last_error_code: 'upstream_bad_request', result: null } }),
+    '{"type":"request.failed","timestamp":"1970-01-01T00:00:00.000Z","data":{"id":"req_x","status":"failed","attempts":1,"created_at":"1970-01-01T00:00:00.000Z","updated_at":"1970-01-01T00:00:00.000Z","last_error_code":"upstream_bad_request"}}');
+});
+
+t.test('an endpoint gets only the events it takes, and only its own project\'s', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey({ project: 'alpha' });
+  const other = await gateway.createKey({ project: 'beta' });
+  const receiver = await startReceiver(t);
+  await addTestEndpoint(gateway, { project: 'alpha', url: receiver.url, events: ['request.failed'] });
+  await endRequest(gateway, key, 'completed');
+  const failed = await endRequest(gateway, key, 'failed');
+  await endRequest(gateway, other, 'failed');
+  const messages = await messagesOf(gateway.db);
+  t.same(messages.map((message) => [message.request_id, message.event_type]), [[failed, 'request.failed']]);
+});
+
+t.test('a failing endpoint is retried on the schedule until it answers 2xx; retry-after is honoured', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const answers = [
+    { status: 500 },
+    { status: 503, headers: { 'retry-after': '1' } },
+    { status: 500 },
+    { status: 200 },
+  ];
+  const receiver = await startReceiver(t, (delivery) => answers[delivery.count - 1] ?? { status: 200 });
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  receiver.secrets = [endpoint.secret];
+  const schedule = [100, 200, 400];
+  const { metrics, runDueJobs } = testDeliverer(t, gateway, { webhooks: { retryScheduleMs: schedule } });
+  await endRequest(gateway, key, 'completed');
+  const [message] = await messagesOf(gateway.db);
+
+  await runDueJobs();
+  await until(async () => (await triesOf(gateway.db, message!.id))[0]?.outcome === 'failed', 'the first try failed');
+  const [afterFirst] = await messagesOf(gateway.db);
+  t.match(afterFirst, { status: 'pending', tries: 1, worker_id: null, finished_at: null });
+  const jobs = await deliveryJobs(gateway.db);
+  t.equal(jobs.length, 1, 'the retry\'s job was added with it');
+  t.equal(jobs[0]!.run_at.getTime(), afterFirst!.next_try_at!.getTime(), 'due when the retry is');
+
+  await until(
+    async () => {
+      await runDueJobs();
+      return (await messagesOf(gateway.db))[0]!.status === 'delivered';
+    },
+    'delivered',
+    10_000,
+  );
+  const tries = await triesOf(gateway.db, message!.id);
+  t.same(
+    tries.map((row) => [row.try_number, row.outcome, row.http_status, row.error]),
+    [
+      [1, 'failed', 500, 'HTTP 500'],
+      [2, 'failed', 503, 'HTTP 503'],
+      [3, 'failed', 500, 'HTTP 500'],
+      [4, 'succeeded', 200, null],
+    ],
+    'four tries: a row each',
+  );
+  const gaps = tries.slice(1).map((row, index) => row.started_at.getTime() - tries[index]!.started_at.getTime());
+  t.ok(gaps[0]! >= 0.9 * schedule[0]!, `the first retry waited ${gaps[0]} ms (schedule: ${schedule[0]} ms ±10 %)`);
+  t.ok(gaps[1]! >= 1_000, `the second waited ${gaps[1]} ms: the endpoint's retry-after of 1 s, longer than the schedule's ${schedule[1]} ms`);
+  t.ok(gaps[2]! >= 0.9 * schedule[2]!, `the third waited ${gaps[2]} ms (schedule: ${schedule[2]} ms ±10 %)`);
+  t.same(new Set(receiver.deliveries.map((delivery) => delivery.headers['webhook-id'])), new Set([message!.id]), 'the same webhook-id on every try');
+  t.ok(receiver.deliveries.every((delivery) => delivery.verifiedWith.length === 1), 'each try freshly signed and verified');
+  t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="failed"}'), 3);
+  t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="succeeded"}'), 1);
+  t.same(await deliveryJobs(gateway.db), [], 'no job is left');
+});
+
+t.test('once the schedule is spent, the message fails', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ status: 502 }));
+  await addTestEndpoint(gateway, { url: receiver.url });
+  const { runDueJobs } = testDeliverer(t, gateway, { webhooks: { retryScheduleMs: [50, 50] } });
+  await endRequest(gateway, key, 'failed');
+  await until(
+    async () => {
+      await runDueJobs();
+      return (await messagesOf(gateway.db))[0]!.status === 'failed';
+    },
+    'failed',
+    10_000,
+  );
+  const [message] = await messagesOf(gateway.db);
+  t.match(message, { status: 'failed', tries: 3, next_try_at: null, worker_id: null });
+  t.ok(message!.finished_at);
+  t.equal(receiver.deliveries.length, 3, 'the first try and one retry per entry of the schedule');
+  t.same(await deliveryJobs(gateway.db), [], 'no job is left');
+});
+
+t.test('no answer in time, a dropped connection, a refused one: failed tries, in our words', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const hanging = await startReceiver(t, () => ({ hang: true }));
+  const dropping = await startReceiver(t, () => ({ reset: true }));
+  const closedPort = await freePort();
+  const urls = [hanging.url, dropping.url, `http://127.0.0.1:${closedPort}/hooks`];
+  for (const [index, url] of urls.entries()) await addTestEndpoint(gateway, { project: `p${index}`, url });
+  const keys = [key, await gateway.createKey({ project: 'p0' }), await gateway.createKey({ project: 'p1' }), await gateway.createKey({ project: 'p2' })];
+  const { runDueJobs } = testDeliverer(t, gateway, { webhooks: { timeoutMs: 300, retryScheduleMs: [] } });
+  for (const owner of keys.slice(1)) await endRequest(gateway, owner, 'completed');
+  await runDueJobs();
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.status === 'failed'), 'all three failed', 5_000);
+  const errors = [];
+  for (const message of await messagesOf(gateway.db)) errors.push((await triesOf(gateway.db, message.id))[0]?.error);
+  t.same(errors.sort(), ['connection refused', 'no answer within 0.3 s', 'the connection was closed before an answer']);
+  hanging.release({ status: 200 });
+});
+
+t.test('410 disables the endpoint: its other messages are abandoned and nothing more is sent', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ status: 410 }));
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  const { deliverer, metrics, runDueJobs } = testDeliverer(t, gateway);
+  const first = await endRequest(gateway, key, 'completed');
+  const second = await endRequest(gateway, key, 'failed');
+  const [firstMessage] = await messagesOf(gateway.db, first);
+  const [secondMessage] = await messagesOf(gateway.db, second);
+
+  t.equal(await deliverer.deliver(firstMessage!.id), 'started');
+  await until(async () => (await messagesOf(gateway.db, first))[0]!.status !== 'delivering', 'the try ended');
+  const { rows } = await gateway.pool.query('select disabled_at, disabled_reason from gateway.webhook_endpoints where id = $1', [endpoint.id]);
+  t.ok(rows[0].disabled_at, 'the endpoint is disabled');
+  t.match(rows[0].disabled_reason, /410/);
+  t.match(await messagesOf(gateway.db, first), [{ status: 'abandoned', tries: 1 }]);
+  t.match(await triesOf(gateway.db, firstMessage!.id), [{ outcome: 'failed', http_status: 410 }]);
+  t.match(await messagesOf(gateway.db, second), [{ status: 'abandoned', tries: 0 }], 'its other message, never tried, is abandoned');
+  t.ok((await messagesOf(gateway.db, second))[0]!.finished_at);
+
+  t.same(await runDueJobs(), ['nothing', 'nothing'], 'the two messages\' jobs (the first was run by hand) find nothing to do');
+  await endRequest(gateway, key, 'completed');
+  t.equal((await messagesOf(gateway.db)).length, 2, 'a request ending now writes no message for a disabled endpoint');
+  t.equal(receiver.deliveries.length, 1, 'the receiver got one delivery, the one it answered 410');
+  t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="disabled"}'), 1);
+
+  // A message written before the endpoint was disabled, tried after: abandoned, not sent.
+  const other = await gateway.createKey({ project: 'other' });
+  const otherEndpoint = await addTestEndpoint(gateway, { project: 'other', url: receiver.url });
+  const late = await endRequest(gateway, other, 'completed');
+  await gateway.pool.query(`update gateway.webhook_endpoints set disabled_at = now(), disabled_reason = 'test' where id = $1`, [otherEndpoint.id]);
+  const [lateMessage] = await messagesOf(gateway.db, late);
+  t.equal(await deliverer.deliver(lateMessage!.id), 'abandoned');
+  t.match(await messagesOf(gateway.db, late), [{ status: 'abandoned', tries: 0 }]);
+  t.equal(receiver.deliveries.length, 1, 'nothing sent');
+});
+
+t.test('without WEBHOOK_ALLOW_PRIVATE, loopback is refused: a name resolving to it before connecting, an IP literal once connected', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const receiver = await startReceiver(t);
+  const byName = await gateway.createKey({ project: 'by-name' });
+  const byAddress = await gateway.createKey({ project: 'by-address' });
+  // A name passes the check made when the endpoint is added (https, as required without WEBHOOK_ALLOW_PRIVATE).
+  const { addEndpoint } = await import('../../src/webhooks/endpoints.ts');
+  await addEndpoint(gateway.db, { encryptionKey: gateway.config.secretEncryptionKey, allowPrivate: false }, {
+    project: 'by-name',
+    url: `https://localhost:${receiver.port}/hooks`,
+  });
+  // An IP literal does not (it was added while WEBHOOK_ALLOW_PRIVATE was on).
+  await addTestEndpoint(gateway, { project: 'by-address', url: `http://127.0.0.1:${receiver.port}/hooks` });
+  const { runDueJobs } = testDeliverer(t, gateway, { webhooks: { allowPrivate: false, retryScheduleMs: [60_000] } });
+  const nameRequest = await endRequest(gateway, byName, 'completed');
+  const addressRequest = await endRequest(gateway, byAddress, 'completed');
+  await runDueJobs();
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.tries === 1 && message.status === 'pending'), 'both tries ended');
+
+  const [nameMessage] = await messagesOf(gateway.db, nameRequest);
+  const [addressMessage] = await messagesOf(gateway.db, addressRequest);
+  t.match(
+    (await triesOf(gateway.db, nameMessage!.id))[0],
+    { outcome: 'failed', http_status: null, error: /^the endpoint resolves to a private address \((127\.0\.0\.1|::1)\); WEBHOOK_ALLOW_PRIVATE is off$/ },
+  );
+  t.match(
+    (await triesOf(gateway.db, addressMessage!.id))[0],
+    { outcome: 'failed', http_status: null, error: 'the endpoint resolves to a private address (127.0.0.1); WEBHOOK_ALLOW_PRIVATE is off' },
+  );
+  t.ok(nameMessage!.next_try_at && addressMessage!.next_try_at, 'each retried on the schedule, like any failure');
+  t.equal(receiver.deliveries.length, 0, 'the receiver got no request');
+  t.equal(receiver.connections, 1, 'only the IP literal reached it, and its connection was closed before a byte was sent');
+});
+
+t.test('a rotated secret: both sign during the overlap, each verifying on its own; afterwards only the new one', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  const rotated = await rotateSecret(gateway.db, gateway.config.secretEncryptionKey, endpoint.id);
+  t.ok(rotated);
+  t.not(rotated!.secret, endpoint.secret);
+  const overlap = rotated!.previous_secret_expires_at.getTime() - Date.now();
+  t.ok(overlap > 23.9 * 3600_000 && overlap <= 24 * 3600_000, 'the old secret signs for 24 h more');
+  receiver.secrets = [endpoint.secret, rotated!.secret];
+  const { runDueJobs } = testDeliverer(t, gateway);
+
+  await endRequest(gateway, key, 'completed');
+  await runDueJobs();
+  await until(() => receiver.deliveries.length === 1, 'delivered');
+  const during = receiver.deliveries[0]!;
+  t.equal(String(during.headers['webhook-signature']).split(' ').length, 2, 'two signatures, space-separated');
+  t.same(during.verifiedWith, [0, 1], 'standardwebhooks verifies it with the old secret, and with the new one');
+
+  await gateway.pool.query(`update gateway.webhook_endpoints set previous_secret_expires_at = now() - interval '1 second'`);
+  await endRequest(gateway, key, 'failed');
+  await runDueJobs();
+  await until(() => receiver.deliveries.length === 2, 'delivered');
+  const after = receiver.deliveries[1]!;
+  t.equal(String(after.headers['webhook-signature']).split(' ').length, 1, 'one signature');
+  t.same(after.verifiedWith, [1], 'the new secret only');
+});
+
+t.test('at WEBHOOK_MAX_IN_FLIGHT a job hands its message back for a moment instead of waiting in its slot', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ hang: true }));
+  await addTestEndpoint(gateway, { url: receiver.url });
+  const { deliverer, runDueJobs } = testDeliverer(t, gateway, { webhooks: { maxInFlight: 1 } });
+  const first = await endRequest(gateway, key, 'completed');
+  const second = await endRequest(gateway, key, 'completed');
+  const [firstMessage] = await messagesOf(gateway.db, first);
+  const [secondMessage] = await messagesOf(gateway.db, second);
+  await gateway.pool.query(`delete from graphile_worker._private_jobs`);
+
+  t.equal(await deliverer.deliver(firstMessage!.id), 'started');
+  const before = Date.now();
+  t.equal(await deliverer.deliver(secondMessage!.id), 'deferred', 'no room: the job ends at once');
+  t.equal(deliverer.inFlight, 1);
+  t.match(await messagesOf(gateway.db, second), [{ status: 'pending', tries: 0 }], 'the message was not claimed');
+  const jobs = await deliveryJobs(gateway.db);
+  t.same(jobs.map((job) => job.message_id), [secondMessage!.id], 'its job is added again');
+  t.ok(jobs[0]!.run_at.getTime() >= before + 500 && jobs[0]!.run_at.getTime() <= Date.now() + 1_500, 'for about a second later');
+
+  receiver.release({ status: 204 });
+  await until(async () => (await messagesOf(gateway.db, first))[0]!.status === 'delivered', 'the first delivered');
+  await until(
+    async () => {
+      await runDueJobs();
+      return (await messagesOf(gateway.db, second))[0]!.status === 'delivered';
+    },
+    'the second delivered once there was room',
+  );
+});
+
+t.test('a worker without SECRET_ENCRYPTION_KEY leaves messages pending, says so once, and does not crash', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  await addTestEndpoint(gateway, { url: receiver.url });
+  const { logs, runDueJobs } = testDeliverer(t, gateway, { secretEncryptionKey: undefined });
+  await endRequest(gateway, key, 'completed');
+  await endRequest(gateway, key, 'failed');
+  t.same(await runDueJobs(), ['deferred', 'deferred']);
+  t.match(await messagesOf(gateway.db), [{ status: 'pending', tries: 0 }, { status: 'pending', tries: 0 }]);
+  const jobs = await deliveryJobs(gateway.db);
+  t.equal(jobs.length, 2, 'their jobs come back');
+  t.ok(jobs.every((job) => job.run_at.getTime() > Date.now() + 50_000), 'a minute later');
+  const errors = logs.filter((line) => line.level === 'error');
+  t.equal(errors.length, 1, 'one error logged, not one per message');
+  t.match(errors[0]?.msg, /SECRET_ENCRYPTION_KEY is not set/);
+  t.equal(receiver.deliveries.length, 0);
+});
+
+t.test('a job whose message is gone, finished or not due does nothing; removing an endpoint removes its messages', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  const { deliverer } = testDeliverer(t, gateway);
+  t.equal(await deliverer.deliver('msg_00000000000000000000000000000000'), 'nothing', 'an unknown message');
+
+  const delivered = await endRequest(gateway, key, 'completed');
+  const [message] = await messagesOf(gateway.db, delivered);
+  t.equal(await deliverer.deliver(message!.id), 'started');
+  await until(async () => (await messagesOf(gateway.db, delivered))[0]!.status === 'delivered', 'delivered');
+  t.equal(await deliverer.deliver(message!.id), 'nothing', 'a delivered message is not sent again');
+
+  const later = await endRequest(gateway, key, 'failed');
+  await gateway.pool.query(`update gateway.webhook_messages set next_try_at = now() + interval '1 hour' where request_id = $1`, [later]);
+  const [laterMessage] = await messagesOf(gateway.db, later);
+  t.equal(await deliverer.deliver(laterMessage!.id), 'nothing', 'a message not due yet');
+
+  const removed = await removeEndpoint(gateway.db, endpoint.id);
+  t.equal(removed?.undelivered_messages, 1);
+  t.same(await messagesOf(gateway.db), [], 'its messages went with it');
+  t.equal((await gateway.pool.query('select count(*)::int as n from gateway.webhook_deliveries')).rows[0].n, 0, 'and their tries');
+  t.equal(await deliverer.deliver(laterMessage!.id), 'nothing', 'a removed endpoint\'s message');
+  t.equal(receiver.deliveries.length, 1);
+});
+
+t.test('tries lost with their worker are handed back by the sweep: recorded failed, retried at once with the same webhook-id', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  receiver.secrets = [endpoint.secret];
+  const own = 'worker-own';
+  const { deliverer, metrics, runDueJobs } = testDeliverer(t, gateway, { workerId: own });
+  await gateway.pool.query(`insert into gateway.worker_pools (id, hostname, pid) values ('worker-alive', 'h', 1), ($1, 'h', 2)`, [own]);
+
+  const requests = { dead: '', young: '', alive: '', own: '' };
+  for (const name of Object.keys(requests) as (keyof typeof requests)[]) {
+    requests[name] = await endRequest(gateway, key, 'completed');
+    const [message] = await messagesOf(gateway.db, requests[name]);
+    const workerId = { dead: 'worker-dead', young: 'worker-dead', alive: 'worker-alive', own }[name];
+    t.equal((await claimMessage(gateway.db, message!.id, workerId)).kind, 'claimed');
+    if (name !== 'young') {
+      await gateway.pool.query(`update gateway.webhook_deliveries set started_at = now() - interval '1 minute' where message_id = $1`, [message!.id]);
+    }
+  }
+  await gateway.pool.query(`delete from graphile_worker._private_jobs`);
+
+  t.equal(await deliverer.recoverLost(10_000, [own]), 1, 'one lost try');
+  const [dead] = await messagesOf(gateway.db, requests.dead);
+  t.match(dead, { status: 'pending', tries: 1, worker_id: null, finished_at: null });
+  t.ok(dead!.next_try_at!.getTime() <= Date.now() + 1_000, 'due at once');
+  t.match(await triesOf(gateway.db, dead!.id), [{ try_number: 1, outcome: 'failed', error: 'the worker stopped during the try' }]);
+  t.same((await deliveryJobs(gateway.db)).map((job) => job.message_id), [dead!.id], 'with a job');
+  for (const name of ['young', 'alive', 'own'] as const) {
+    t.match(await messagesOf(gateway.db, requests[name]), [{ status: 'delivering' }], `not ${name}: ${{ young: 'its try started less than WORKER_DEAD_AFTER_MS ago', alive: 'its worker beats', own: 'the caller\'s own' }[name]}`);
+  }
+  t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="failed"}'), 1);
+
+  t.same(await runDueJobs(), ['started']);
+  await until(async () => (await messagesOf(gateway.db, requests.dead))[0]!.status === 'delivered', 'delivered');
+  t.match(await triesOf(gateway.db, dead!.id), [{ outcome: 'failed' }, { try_number: 2, outcome: 'succeeded' }]);
+  t.equal(receiver.deliveries[0]?.headers['webhook-id'], dead!.id, 'with the message\'s webhook-id');
+  t.same(receiver.deliveries[0]?.verifiedWith, [0]);
+  t.equal(await deliverer.recoverLost(10_000, [own]), 0, 'a second sweep finds nothing');
+});
+
+t.test('at shutdown a try in flight gets the grace time, then is aborted and retried at once; later jobs are handed back', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ hang: true }));
+  await addTestEndpoint(gateway, { url: receiver.url });
+  const first = testDeliverer(t, gateway, { shutdownGraceMs: 300 });
+  const cut = await endRequest(gateway, key, 'completed');
+  const waiting = await endRequest(gateway, key, 'failed');
+  const [cutMessage] = await messagesOf(gateway.db, cut);
+  const [waitingMessage] = await messagesOf(gateway.db, waiting);
+  await gateway.pool.query(`delete from graphile_worker._private_jobs`);
+
+  t.equal(await first.deliverer.deliver(cutMessage!.id), 'started');
+  await until(() => receiver.deliveries.length === 1, 'the receiver holds the try');
+  const stopping = Date.now();
+  await first.deliverer.stop();
+  const took = Date.now() - stopping;
+  t.ok(took >= 280 && took < 2_000, `stop() gave the try its grace time (${took} ms), then aborted it`);
+  t.match(await triesOf(gateway.db, cutMessage!.id), [{ try_number: 1, outcome: 'failed', error: 'the worker shut down during the try' }]);
+  const [afterStop] = await messagesOf(gateway.db, cut);
+  t.match(afterStop, { status: 'pending', tries: 1 });
+  t.ok(afterStop!.next_try_at!.getTime() <= Date.now(), 'due at once');
+
+  t.equal(await first.deliverer.deliver(waitingMessage!.id), 'deferred', 'a stopped deliverer takes nothing');
+  t.match(await messagesOf(gateway.db, waiting), [{ status: 'pending', tries: 0 }]);
+  t.same((await deliveryJobs(gateway.db)).map((job) => job.message_id).sort(), [cutMessage!.id, waitingMessage!.id].sort(), 'both have a job due now, for another worker');
+
+  receiver.release({ status: 204 });
+  const second = testDeliverer(t, gateway);
+  await second.runDueJobs();
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.status === 'delivered'), 'both delivered by another worker');
+  const ids = receiver.deliveries.map((delivery) => delivery.headers['webhook-id']);
+  t.equal(ids.filter((id) => id === cutMessage!.id).length, 2, 'the cut try was made again, with the same webhook-id');
+});
+
+t.test('gateway_webhook_oldest_pending_seconds is the age of the oldest message not finished', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  await addTestEndpoint(gateway, { url: receiver.url });
+  const { metrics, runDueJobs } = testDeliverer(t, gateway);
+  metrics.watchWebhooks(gateway.db);
+  t.equal(await metricValue(metrics, 'gateway_webhook_oldest_pending_seconds'), 0, 'none: 0');
+  await endRequest(gateway, key, 'completed');
+  await gateway.db.updateTable('webhook_messages').set({ created_at: sql<Date>`now() - interval '90 seconds'` } as never).execute();
+  const age = await metricValue(metrics, 'gateway_webhook_oldest_pending_seconds');
+  t.ok(age >= 90 && age < 100, `${age} s`);
+  await runDueJobs();
+  await until(async () => (await messagesOf(gateway.db))[0]!.status === 'delivered', 'delivered');
+  t.equal(await metricValue(metrics, 'gateway_webhook_oldest_pending_seconds'), 0, 'delivered: 0 again');
+  await sleep(0);
+});
