@@ -9,6 +9,7 @@ import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows
 import { spawnServe } from '../helpers/serve.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
+import { addTestEndpoint, startReceiver } from '../webhooks/support.ts';
 
 const RECORD_FIELDS = ['attempts', 'created_at', 'id', 'last_error_code', 'status', 'updated_at'];
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -144,13 +145,15 @@ t.test('a cancel is signed and takes no body', async (t) => {
   t.match(await requestRow(api.db, id), { status: 'queued' }, 'neither cancelled it');
 });
 
-t.test('a cancel racing the upstream\'s answer: each request ends cancelled or completed, never both', async (t) => {
+t.test('a cancel racing the upstream\'s answer: each request ends cancelled or completed, never both, and its webhook says which', async (t) => {
   const upstream = await startFakeUpstream(t, async (call) => {
     await sleep(100);
     return { status: 200, json: completionFor(call.body) };
   });
-  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, WEBHOOK_ALLOW_PRIVATE: 'true' } });
   const key = await gateway.createKey({ mode: 'live' });
+  const receiver = await startReceiver(t);
+  receiver.secrets.push((await addTestEndpoint(gateway, { url: receiver.url })).secret);
   const client = clientFor(gateway.url, key);
   const cancel = cancelOf(gateway.url, key);
   const ids: string[] = [];
@@ -181,4 +184,12 @@ t.test('a cancel racing the upstream\'s answer: each request ends cancelled or c
   }
   t.comment(`cancelled ${ended.cancelled}, completed ${ended.completed}`);
   t.equal(ended.cancelled + ended.completed, ids.length);
+
+  await until(() => new Set(receiver.deliveries.map((delivery) => delivery.headers['webhook-id'])).size === ids.length, 'an event for each', 10_000);
+  for (const id of ids) {
+    const row = await requestRow(gateway.db, id);
+    const events = receiver.deliveries.filter((delivery) => delivery.event?.data.id === id);
+    t.ok(events.length >= 1 && events.every((delivery) => delivery.verifiedWith.length === 1), `${id}: verified events`);
+    t.same(new Set(events.map((delivery) => delivery.event!.type)), new Set([`request.${row!.status}`]), `${id}: its webhook says ${row!.status}`);
+  }
 });
