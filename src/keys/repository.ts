@@ -2,7 +2,21 @@
 import { sql } from 'kysely';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
-import type { Nonce } from '../requests/repository.ts';
+import { SIGNATURE_WINDOW_SECONDS } from './signatures.ts';
+
+/** A signed POST's nonce, recorded (with the request it carried) so that it is accepted once. */
+export interface Nonce {
+  api_key_id: string;
+  nonce: string;
+}
+
+/**
+ * How long a nonce is kept after it was recorded, by the database's clock: twice the signature
+ * window. A signature accepted now by an API process's clock, whatever its skew from the
+ * database's (within the window, beyond which no client could sign for it), is out of its
+ * window before that; once deleted, a nonce can no longer be replayed in time.
+ */
+export const NONCE_KEPT_SECONDS = 2 * SIGNATURE_WINDOW_SECONDS + 1;
 
 export interface KeyRecord {
   id: string;
@@ -86,6 +100,17 @@ export async function revokeKey(db: Db, id: string): Promise<KeyListing | undefi
       'revoked.revoked_at',
     ])
     .executeTakeFirst();
+}
+
+/** Records a nonce on its own (a signed POST that stores no request); false if it was already used. */
+export async function insertNonce(db: Db, nonce: Nonce): Promise<boolean> {
+  const { rows } = await sql<{ inserted: boolean }>`
+    insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
+    values (${nonce.api_key_id}, ${nonce.nonce}, now() + ${NONCE_KEPT_SECONDS} * interval '1 second')
+    on conflict do nothing
+    returning true as inserted
+  `.execute(db);
+  return rows.length > 0;
 }
 
 /** Gives a nonce back, for a request that was refused after all. */

@@ -4,7 +4,8 @@
 // acknowledged. A nonce repeated within one group is a replay: only its first use is written.
 import { Batcher, writeFirsts } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
-import { insertRequests, type InsertResult, type NewRequest, type Nonce } from './repository.ts';
+import type { Nonce } from '../keys/repository.ts';
+import { insertRequests, type InsertResult, type NewRequest } from './repository.ts';
 
 interface Item {
   request: NewRequest;

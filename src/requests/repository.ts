@@ -4,6 +4,7 @@ import { sql } from 'kysely';
 import type { RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
+import { NONCE_KEPT_SECONDS, type Nonce } from '../keys/repository.ts';
 import type { Usage } from '../upstream/outcome.ts';
 import { DISPATCH_LANE } from '../lanes/jobs.ts';
 
@@ -39,13 +40,6 @@ export interface RequestRow extends RequestAnswer {
   attempts: number;
   updated_at: Date;
   last_error_code: string | null;
-}
-
-/** A signed POST's nonce, to be recorded with the request it carried. */
-export interface Nonce {
-  api_key_id: string;
-  nonce: string;
-  expires_at: Date;
 }
 
 export type InsertResult =
@@ -87,13 +81,12 @@ export async function insertRequests(
         ${column((i) => i.request.idempotency_key)}::text[],
         ${column((i) => i.request.lane_id)}::bigint[],
         ${column((i) => i.request.prompt_tokens_estimate)}::int[],
-        ${column((i) => i.nonce?.nonce ?? null)}::text[],
-        ${column((i) => i.nonce?.expires_at ?? null)}::timestamptz[]
+        ${column((i) => i.nonce?.nonce ?? null)}::text[]
       ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
-                              lane_id, prompt_tokens_estimate, nonce, nonce_expires_at, ord)
+                              lane_id, prompt_tokens_estimate, nonce, ord)
     ), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
-      select api_key_id, nonce, nonce_expires_at from input where nonce is not null
+      select api_key_id, nonce, now() + ${NONCE_KEPT_SECONDS} * interval '1 second' from input where nonce is not null
       on conflict do nothing
       returning api_key_id, nonce
     ), accepted as (

@@ -5,16 +5,16 @@ import { TERMINAL_STATUSES, type RequestStatus } from '../db/database.ts';
 import { isDatabaseUnavailable, type Db } from '../db/pool.ts';
 import { idempotencyKeyReused, requestAlreadyFinished, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
-import { deleteNonce } from '../keys/repository.ts';
+import { deleteNonce, insertNonce, type Nonce } from '../keys/repository.ts';
 import type { Batcher } from '../db/batcher.ts';
 import type { Auth } from '../keys/service.ts';
 import type { Metrics } from '../metrics.ts';
-import { replayedRequest, SIGNATURE_WINDOW_SECONDS, type VerifiedSignature } from '../keys/signatures.ts';
+import { replayedRequest, type VerifiedSignature } from '../keys/signatures.ts';
 import type { LaneRouter, Routed } from '../lanes/routing.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import type { Intake } from './intake.ts';
 import * as repository from './repository.ts';
-import type { Nonce, RequestAnswer, RequestRow } from './repository.ts';
+import type { RequestAnswer, RequestRow } from './repository.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
 
@@ -139,13 +139,7 @@ async function store(
 }
 
 function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | undefined {
-  if (!signature) return undefined;
-  return {
-    api_key_id: auth.keyId,
-    nonce: signature.nonce,
-    // Past this, the signature's timestamp fails the window check anyway.
-    expires_at: new Date((signature.timestamp + SIGNATURE_WINDOW_SECONDS + 1) * 1000),
-  };
+  return signature && { api_key_id: auth.keyId, nonce: signature.nonce };
 }
 
 function startWaiting(deps: RequestDeps, watch: Watch, answer: RequestAnswer, replayed: boolean, deadline: number): Waiting {
@@ -216,8 +210,16 @@ export async function lookup(deps: Pick<RequestDeps, 'reads' | 'intake'>, auth: 
  * aborted by the worker that holds it); a cancelled one answers its record again; a completed or
  * failed one is a 409; an unknown id, or one of another project or mode, a 404.
  */
-export async function cancel(deps: Pick<RequestDeps, 'db' | 'reads' | 'intake' | 'metrics'>, auth: Auth, id: string): Promise<RequestRow> {
+export async function cancel(
+  deps: Pick<RequestDeps, 'db' | 'reads' | 'intake' | 'metrics'>,
+  auth: Auth,
+  id: string,
+  options: SubmitOptions = {},
+): Promise<RequestRow> {
   deps.intake?.admitLookup(auth);
+  // A POST: its nonce is accepted once, as a submission's is.
+  const nonce = nonceOf(auth, options.signature);
+  if (nonce && !(await insertNonce(deps.db, nonce))) throw replayedRequest();
   if (!REQUEST_ID.test(id)) throw requestNotFound();
   const previous = await repository.cancelRequest(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
   if (previous === undefined) throw requestNotFound();

@@ -7,6 +7,7 @@ import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { spawnServe } from '../helpers/serve.ts';
+import { signature } from '../helpers/signing.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 import { addTestEndpoint, startReceiver } from '../webhooks/support.ts';
@@ -132,7 +133,7 @@ t.test('completed and failed requests are a 409; another project\'s, another mod
   t.not((await requestRow(gateway.db, queued))?.status, 'cancelled', 'their cancels changed nothing');
 });
 
-t.test('a cancel is signed and takes no body', async (t) => {
+t.test('a cancel is signed, takes no body, and its nonce is accepted once', async (t) => {
   const api = await startTestGateway(t, { role: 'api' });
   const key = await api.createKey();
   const id = (await clientFor(api.url, key).post({ model: 'test-echo', messages: userMessage() })).body.id;
@@ -143,6 +144,14 @@ t.test('a cancel is signed and takes no body', async (t) => {
   t.equal(unsigned.status, 401);
   t.match(unsigned.body.error, { code: 'missing_signature' });
   t.match(await requestRow(api.db, id), { status: 'queued' }, 'neither cancelled it');
+
+  // A POST: its nonce is accepted once.
+  const header = signature({ secret: key.signing_secret, method: 'POST', path: `/v1/requests/${id}/cancel` });
+  const signed = () => send(api.url, { method: 'POST', path: `/v1/requests/${id}/cancel`, key: key.api_key, headers: { 'svc-signature': header } });
+  t.equal((await signed()).status, 200);
+  const replayed = await signed();
+  t.equal(replayed.status, 401, 'the same signed cancel again is a replay');
+  t.match(replayed.body.error, { code: 'replayed_request' });
 });
 
 t.test('a cancel racing the upstream\'s answer: each request ends cancelled or completed, never both, and its webhook says which', async (t) => {

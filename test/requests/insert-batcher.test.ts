@@ -48,7 +48,7 @@ t.test('concurrent inserts share statements; each gets its own row, and each sta
 t.test('within one group: a repeated nonce is a replay, a repeated idempotency key one request', async (t) => {
   const { gateway, key, request } = await setup(t);
   const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1 });
-  const nonce = { api_key_id: key.id, nonce: 'same-nonce-0123456789', expires_at: new Date(Date.now() + 60_000) };
+  const nonce = { api_key_id: key.id, nonce: 'same-nonce-0123456789' };
   const results = await Promise.all([
     batcher.insert(request(), nonce),
     batcher.insert(request(), nonce),
