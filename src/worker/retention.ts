@@ -12,6 +12,7 @@ import { deleteFinishedBefore, dropBodiesBefore } from '../requests/repository.t
 export const RETENTION = 'retention';
 const BATCH = 1_000;
 const HOUR_MS = 3_600_000;
+const DAY_MS = 24 * HOUR_MS;
 
 export function retentionTask(deps: {
   db: Db;
@@ -28,9 +29,11 @@ export function retentionTask(deps: {
 
     let dropped = 0;
     if (deps.config.bodyRetentionHours !== undefined) {
-      const bodyCutoff = requestIdFloor(now - deps.config.bodyRetentionHours * HOUR_MS);
+      const bodyCutoffMs = now - deps.config.bodyRetentionHours * HOUR_MS;
+      // A request still unfinished a day past the cutoff no longer holds the task back.
+      const holdSince = new Date(bodyCutoffMs - DAY_MS);
       for (let more = true; more; ) {
-        const step = await dropBodiesBefore(deps.db, bodyCutoff, BATCH);
+        const step = await dropBodiesBefore(deps.db, requestIdFloor(bodyCutoffMs), holdSince, BATCH);
         dropped += step.dropped;
         more = step.more;
       }

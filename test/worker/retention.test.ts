@@ -81,17 +81,37 @@ t.test('BODY_RETENTION_HOURS drops old finished bodies and keeps the records', a
   const { rows } = await gateway.pool.query('select result, body_sha256 from gateway.requests where id = $1', [dropped.id]);
   t.ok(rows[0].result && rows[0].body_sha256, 'the record, its result and its body hash stay');
 
-  const cursor = await gateway.pool.query(`select last_request_id from gateway.retention_cursors where task = 'drop_bodies'`);
-  t.equal(cursor.rows[0].last_request_id, dropped.id, 'the cursor stopped at the newest id past the cutoff');
+  const cursor = async () =>
+    (await gateway.pool.query(`select last_request_id from gateway.retention_cursors where task = 'drop_bodies'`)).rows[0]
+      ?.last_request_id;
+  t.equal(await cursor(), failedDropped.id, 'the cursor waits before the unfinished request, the oldest one past it');
 
-  // The next run starts from the cursor and finds the requests that came of age since.
+  // Once it has finished, the next run drops its body too, and those that came of age since.
+  await gateway.pool.query(
+    `update gateway.requests set status = 'failed', finished_at = now(), last_error_code = 'upstream_server_error' where id = $1`,
+    [unfinished.id],
+  );
   const later = await plantRequest(gateway, key, { status: 'completed', ageMs: 2.5 * 3_600_000 });
   await task({}, {} as never);
   t.same(await bodies(), {
     [dropped.id]: false,
     [failedDropped.id]: false,
     [young.id]: true,
-    [unfinished.id]: true,
+    [unfinished.id]: false,
     [later.id]: false,
   });
+  t.equal(await cursor(), later.id, 'the cursor stopped at the newest id past the cutoff');
+});
+
+t.test('BODY_RETENTION_HOURS: a request unfinished for a day past the cutoff no longer holds the task back', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const stuck = await plantRequest(gateway, key, { status: 'queued', ageMs: 30 * 3_600_000 });
+  const after = await plantRequest(gateway, key, { status: 'completed', ageMs: 3 * 3_600_000 });
+  const task = retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: 2 }, logger: silent });
+  await task({}, {} as never);
+  const { rows } = await gateway.pool.query('select id, body is not null as kept from gateway.requests order by id');
+  t.same(rows, [{ id: stuck.id, kept: true }, { id: after.id, kept: false }], 'passed over, its body kept; the rest go on');
+  const cursor = await gateway.pool.query(`select last_request_id from gateway.retention_cursors where task = 'drop_bodies'`);
+  t.equal(cursor.rows[0].last_request_id, after.id);
 });
