@@ -37,6 +37,9 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
   });
   pool.on('connect', (client) => {
     client.on('error', (error) => {
+      // Emitted before pg fails the statements under way on this client, so their failures are
+      // known for a lost connection's (isDatabaseUnavailable).
+      lostClients.add(client);
       options.logger.warn({ err: errorSummary(error), pool: options.applicationName }, 'database connection lost');
     });
   });
@@ -95,13 +98,23 @@ function preparing(pool: pg.Pool): PostgresPool {
     options: pool.options,
     end: () => pool.end(),
     async connect(): Promise<PostgresPoolClient> {
-      const client = await pool.connect();
+      let client: pg.PoolClient;
+      try {
+        client = await pool.connect();
+      } catch (error) {
+        // (A pool that is ending is no outage: nothing should be waiting to try again.)
+        throw pool.ending ? error : noConnection(error);
+      }
+      const run = (query: pg.QueryConfig) =>
+        client.query(query).catch((error: unknown) => {
+          throw lostClients.has(client) ? noConnection(error) : error;
+        });
       return {
         query: ((text: string, values: readonly unknown[]) => {
           const name = statementName(text);
-          if (name === undefined) return client.query({ text, values: [...values] });
+          if (name === undefined) return run({ text, values: [...values] });
           replanNow(client);
-          return client.query({ name, text, values: [...values] });
+          return run({ name, text, values: [...values] });
         }) as unknown as PostgresPoolClient['query'],
         release: (destroy?: boolean) => client.release(destroy),
       };
@@ -109,21 +122,59 @@ function preparing(pool: pg.Pool): PostgresPool {
   };
 }
 
-/** Connection-level failures: the database is down, restarting or out of reach. */
-export function isDatabaseUnavailable(error: unknown): boolean {
-  if (!(error instanceof Error)) return false;
-  const code = (error as { code?: unknown }).code;
-  if (typeof code === 'string') {
-    // Node socket errors, and Postgres classes 08 (connection exception) and 57P (operator
-    // intervention: shutdown, crash recovery, cannot connect now).
-    if (/^(ECONNREFUSED|ECONNRESET|ENOTFOUND|EAI_AGAIN|ETIMEDOUT|EPIPE|EHOSTUNREACH|ENETUNREACH)$/.test(code)) {
-      return true;
-    }
-    if (code.startsWith('08') || code.startsWith('57P')) return true;
-  }
-  return /timeout exceeded when trying to connect|Connection terminated|connection timeout|Client has encountered a connection error/i.test(
-    error.message,
+// What isDatabaseUnavailable knows of pg's own failures, which carry no SQLSTATE and are bare
+// Errors told apart only by their messages ("timeout exceeded when trying to connect",
+// "Connection terminated unexpectedly", "Client has encountered a connection error and is not
+// queryable"...): they are known here by where they happened instead. A statement failing on a
+// client that reported its connection lost (lostClients), or a connection that could not be had
+// at all, is marked unavailable (noConnection), whatever pg's message.
+const lostClients = new WeakSet<pg.PoolClient>();
+const unavailableErrors = new WeakSet<object>();
+
+/**
+ * Marks a failure to get or keep a connection as the database being unavailable if it is one of
+ * pg's own (a bare Error): not the server's answer (a DatabaseError, judged by its SQLSTATE: a
+ * wrong password is no outage) nor a programming error (a TypeError, say).
+ */
+function noConnection(error: unknown): unknown {
+  if (error instanceof Error && Object.getPrototypeOf(error) === Error.prototype) unavailableErrors.add(error);
+  return error;
+}
+
+// Node's socket errors: the server is out of reach.
+const SOCKET_ERRORS = new Set(['ECONNREFUSED', 'ECONNRESET', 'ENOTFOUND', 'EAI_AGAIN', 'ETIMEDOUT', 'EPIPE', 'EHOSTUNREACH', 'ENETUNREACH']);
+
+/**
+ * SQLSTATEs of a database that cannot serve now, though it may soon: class 08 (connection
+ * exception), class 53 (insufficient resources: too many connections, out of memory, disk
+ * full), 57014 (statement timeout, or cancelled) and 57P01-57P05 (admin shutdown, crash
+ * shutdown, cannot connect now, database dropped, idle session timeout).
+ */
+export function isUnavailableState(sqlstate: string): boolean {
+  return (
+    sqlstate.startsWith('08') ||
+    sqlstate.startsWith('53') ||
+    sqlstate === '57014' ||
+    /^57P0[1-5]$/.test(sqlstate)
   );
+}
+
+/**
+ * The database is down, restarting, out of reach or out of resources: a failure that is no
+ * fault of the statement's, answered 503 with retry-after and ridden out by retries. The
+ * server's errors are judged by their SQLSTATE alone; errors without one by their socket error
+ * code (their own or a cause's), or by having happened while getting or using a connection
+ * (see noConnection).
+ */
+export function isDatabaseUnavailable(error: unknown): boolean {
+  if (error instanceof pg.DatabaseError) return error.code !== undefined && isUnavailableState(error.code);
+  if (!(error instanceof Error)) return false;
+  if (unavailableErrors.has(error)) return true;
+  for (let cause: unknown = error, depth = 0; cause instanceof Error && depth < 5; cause = cause.cause, depth++) {
+    const code = (cause as { code?: unknown }).code;
+    if (typeof code === 'string' && SOCKET_ERRORS.has(code)) return true;
+  }
+  return false;
 }
 
 /** What of a database error may be logged: its class, code and message, not its query or values. */

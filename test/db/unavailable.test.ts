@@ -1,0 +1,167 @@
+// Which database failures mean "unavailable" (a 503 with retry-after, and a retry for the
+// worker): the server's by SQLSTATE alone, Node's socket errors by code, and pg's own failures
+// to get or keep a connection by where they happened, never by their message.
+import { sql } from 'kysely';
+import pg from 'pg';
+import t from 'tap';
+import { createDb, createPool, isDatabaseUnavailable, isUnavailableState } from '../../src/db/pool.ts';
+import { createLogger } from '../../src/logger.ts';
+import { createTestDatabase, urlForDatabase } from '../helpers/database.ts';
+import { freePort } from '../helpers/ports.ts';
+import { startTcpProxy } from '../helpers/tcp-proxy.ts';
+
+const logger = createLogger({ logLevel: 'silent' });
+
+function serverError(code: string, message = 'from the server'): pg.DatabaseError {
+  const error = new pg.DatabaseError(message, 0, 'error');
+  error.code = code;
+  return error;
+}
+
+t.test('server errors are judged by SQLSTATE: classes 08 and 53, 57014 and 57P01-57P05 are unavailable', async (t) => {
+  const unavailable = {
+    '08000': 'connection_exception',
+    '08003': 'connection_does_not_exist',
+    '08006': 'connection_failure',
+    '08001': 'sqlclient_unable_to_establish_sqlconnection',
+    '08P01': 'protocol_violation',
+    '53000': 'insufficient_resources',
+    '53100': 'disk_full',
+    '53200': 'out_of_memory',
+    '53300': 'too_many_connections',
+    '53400': 'configuration_limit_exceeded',
+    '57014': 'query_canceled (statement timeout)',
+    '57P01': 'admin_shutdown',
+    '57P02': 'crash_shutdown',
+    '57P03': 'cannot_connect_now',
+    '57P04': 'database_dropped',
+    '57P05': 'idle_session_timeout',
+  };
+  for (const [code, name] of Object.entries(unavailable)) {
+    t.ok(isUnavailableState(code), `${code} ${name}`);
+    t.ok(isDatabaseUnavailable(serverError(code)), `${code} ${name}, as a DatabaseError`);
+  }
+  const available = {
+    '23505': 'unique_violation',
+    '42601': 'syntax_error',
+    '42P01': 'undefined_table',
+    '22P02': 'invalid_text_representation',
+    '40001': 'serialization_failure',
+    '40P01': 'deadlock_detected',
+    '28P01': 'invalid_password',
+    '3D000': 'invalid_catalog_name',
+    '57000': 'operator_intervention',
+    '57P06': 'not a code',
+    '55P03': 'lock_not_available',
+    '25P03': 'idle_in_transaction_session_timeout',
+  };
+  for (const [code, name] of Object.entries(available)) {
+    t.notOk(isDatabaseUnavailable(serverError(code)), `not ${code} ${name}`);
+  }
+  t.notOk(isDatabaseUnavailable(serverError('42601', 'timeout exceeded when trying to connect')), 'a server error is judged by its code, not its message');
+});
+
+t.test("Node's socket errors are unavailable, by their code or their cause's", async (t) => {
+  for (const code of ['ECONNREFUSED', 'ECONNRESET', 'ENOTFOUND', 'EAI_AGAIN', 'ETIMEDOUT', 'EPIPE', 'EHOSTUNREACH', 'ENETUNREACH']) {
+    const error = Object.assign(new Error(`connect ${code}`), { code });
+    t.ok(isDatabaseUnavailable(error), code);
+    t.ok(isDatabaseUnavailable(new Error('wrapped', { cause: error })), `${code} as a cause`);
+  }
+  t.notOk(isDatabaseUnavailable(Object.assign(new Error('no such file'), { code: 'ENOENT' })), 'not ENOENT');
+});
+
+t.test("pg's messages alone mean nothing: an error not raised while getting or using a connection is not unavailable", async (t) => {
+  for (const message of [
+    'timeout exceeded when trying to connect',
+    'Connection terminated unexpectedly',
+    'Connection terminated due to connection timeout',
+    'Client has encountered a connection error and is not queryable',
+  ]) {
+    t.notOk(isDatabaseUnavailable(new Error(message)), message);
+  }
+  t.notOk(isDatabaseUnavailable(new TypeError('x is not a function')));
+  t.notOk(isDatabaseUnavailable('ECONNREFUSED'));
+  t.notOk(isDatabaseUnavailable(undefined));
+});
+
+t.test('against a real server: what each failure is', async (t) => {
+  const url = await createTestDatabase(t);
+  const pool = createPool(url, { max: 2, applicationName: 'unavailable-test', logger });
+  t.teardown(() => pool.end());
+  const db = createDb(pool);
+  const failure = (run: () => Promise<unknown>) => run().then(() => undefined, (error: unknown) => error);
+
+  const syntax = await failure(() => sql`selec 1`.execute(db));
+  t.match(syntax, { code: '42601' });
+  t.notOk(isDatabaseUnavailable(syntax), 'a syntax error is not');
+
+  const timedOut = await failure(() => db.connection().execute(async (connection) => {
+    await sql`set statement_timeout = 50`.execute(connection);
+    try {
+      await sql`select pg_sleep(2)`.execute(connection);
+    } finally {
+      await sql`reset statement_timeout`.execute(connection);
+    }
+  }));
+  t.match(timedOut, { code: '57014' });
+  t.ok(isDatabaseUnavailable(timedOut), 'a statement timeout (57014) is unavailable');
+
+  const terminated = failure(() => sql`select pg_sleep(10)`.execute(db));
+  const admin = new pg.Client({ connectionString: url });
+  await admin.connect();
+  t.teardown(() => admin.end());
+  for (let found = 0; found === 0; ) {
+    await new Promise((resolve) => setTimeout(resolve, 20));
+    const { rowCount } = await admin.query(
+      `select pg_terminate_backend(pid) from pg_stat_activity where query = 'select pg_sleep(10)' and pid <> pg_backend_pid()`,
+    );
+    found = rowCount ?? 0;
+  }
+  const shutdown = await terminated;
+  t.match(shutdown, { code: '57P01' });
+  t.ok(isDatabaseUnavailable(shutdown), 'a terminated backend (57P01 admin_shutdown) is unavailable');
+
+  const missing = createPool(urlForDatabase(url, 'gateway_no_such_database'), { max: 1, applicationName: 'unavailable-test', logger });
+  t.teardown(() => missing.end());
+  const noDatabase = await failure(() => sql`select 1`.execute(createDb(missing)));
+  t.match(noDatabase, { code: '3D000' });
+  t.notOk(isDatabaseUnavailable(noDatabase), 'the server refusing a connection for a reason of its own (3D000) is not');
+
+  const refused = createPool(`postgres://postgres@127.0.0.1:${await freePort()}/postgres`, { max: 1, applicationName: 'unavailable-test', logger });
+  t.teardown(() => refused.end());
+  const noServer = await failure(() => sql`select 1`.execute(createDb(refused)));
+  t.match(noServer, { code: 'ECONNREFUSED' });
+  t.ok(isDatabaseUnavailable(noServer), 'no server listening (ECONNREFUSED) is unavailable');
+});
+
+t.test("pg's own failures to get or keep a connection are unavailable, though they carry nothing but a message", async (t) => {
+  const url = await createTestDatabase(t);
+  const proxy = await startTcpProxy(t, url);
+  const pool = createPool(proxy.url, { max: 1, applicationName: 'unavailable-test', logger });
+  t.teardown(() => pool.end());
+  const db = createDb(pool);
+  const failure = (run: () => Promise<unknown>) => run().then(() => undefined, (error: unknown) => error);
+
+  // The connection is dropped under a statement, without a word from the server.
+  const running = failure(() => sql`select pg_sleep(10)`.execute(db));
+  await new Promise((resolve) => setTimeout(resolve, 200));
+  proxy.cut();
+  const dropped = await running;
+  t.match(dropped, { message: /Connection terminated unexpectedly/ });
+  t.ok(isDatabaseUnavailable(dropped), 'a connection lost under a statement');
+
+  // No connection can be had.
+  const refused = await failure(() => sql`select 1`.execute(db));
+  t.type(refused, Error);
+  t.notOk(refused instanceof pg.DatabaseError, `pg's own error: ${(refused as Error).message}`);
+  t.ok(isDatabaseUnavailable(refused), 'a connection closed as it opens');
+  proxy.restore();
+
+  // Every pooled connection is taken, for longer than the pool waits for one (5 s).
+  const held = await pool.connect();
+  const waited = await failure(() => sql`select 1`.execute(db));
+  held.release();
+  t.match(waited, { message: 'timeout exceeded when trying to connect' });
+  t.ok(isDatabaseUnavailable(waited), 'no pooled connection free in time');
+  t.same((await sql<{ one: number }>`select 1 as one`.execute(db)).rows, [{ one: 1 }], 'and the pool serves again');
+});
