@@ -10,6 +10,8 @@
 //   worker_lost and retried, and its webhook tries under way recorded as failed and made again.
 //   A process never sweeps its own current pool nor its own attempts and tries (after an outage
 //   its heartbeat is stale too).
+// A stopping worker keeps beating for its dispatcher until its calls and webhook tries in flight
+// have landed (SHUTDOWN_GRACE_MS at most), so that no other worker takes them for lost meanwhile.
 import { EventEmitter } from 'node:events';
 import { hostname } from 'node:os';
 import { sql } from 'kysely';
@@ -36,7 +38,10 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
   const log = deps.logger.child({ component: 'supervisor' });
   const { dispatcher } = deps;
   const deadAfterMs = deps.config.workerDeadAfterMs;
-  // Several beats and sweeps per period, so a dead pool is found within about 1.2 periods.
+  // Five beats and sweeps per period. A killed worker's last beat is at most its death, so a
+  // sweep finds it dead within dead-after + one period: 8.4 s with the default 7 s, leaving room
+  // under 10 s for its attempts to start again elsewhere. And a live worker's row is never older
+  // than a period plus a pause of its event loop (a GC pause, a 2 s stall): far from dead-after.
   const beatMs = Math.max(100, Math.floor(deadAfterMs / 5));
 
   let stopping = false;
@@ -93,9 +98,14 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
     }, delay);
   };
 
+  // Beats under way, awaited before the rows are released: a late one would write them back.
+  const beating = new Set<Promise<void>>();
   const heartbeat = setInterval(() => {
     const ids = current ? [current.poolId, dispatcher.workerId] : [dispatcher.workerId];
-    beat(deps.db, ids).catch((error) => log.debug({ err: errorSummary(error) }, 'heartbeat failed'));
+    const beaten: Promise<void> = beat(deps.db, ids)
+      .catch((error: unknown) => log.debug({ err: errorSummary(error) }, 'heartbeat failed'))
+      .finally(() => beating.delete(beaten));
+    beating.add(beaten);
   }, beatMs);
   const sweeper = setInterval(() => {
     // Never our own live pool nor our own attempts: our heartbeat may be stale only because the
@@ -125,7 +135,6 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
     async stop() {
       stopping = true;
       clearTimeout(restartTimer);
-      clearInterval(heartbeat);
       clearInterval(sweeper);
       // Calls in flight get SHUTDOWN_GRACE_MS to finish, then are aborted and handed back
       // (recorded as worker_lost and retried at once elsewhere); the pool's dispatches meanwhile
@@ -133,15 +142,19 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       const flightsLanded = dispatcher.stop();
       // Webhook tries alike: given the grace time, then aborted and retried at once.
       const triesLanded = deps.deliverer.stop();
+      // The heartbeat goes on meanwhile: for the pool until it has stopped (its jobs are done),
+      // and for the dispatcher until every call and try has landed.
       const pool = current;
-      current = undefined;
       if (pool) {
         await pool.runner.stop().catch((error: unknown) => {
           log.warn({ poolId: pool.poolId, err: errorSummary(error) }, 'worker pool did not stop cleanly');
         });
       }
+      current = undefined;
       await flightsLanded;
       await triesLanded;
+      clearInterval(heartbeat);
+      await Promise.all(beating);
       if (!pool) {
         await release(deps.db, [dispatcher.workerId]).catch(() => {});
         return;

@@ -46,6 +46,8 @@ export const TEST_SETTINGS: Record<string, string> = {
   RETRY_MAX_MS: '40',
   WORKER_POLL_INTERVAL_MS: '50',
   WORKER_CONCURRENCY: '16',
+  // Below the shortest WORKER_DEAD_AFTER_MS a test gives (it must be).
+  SHUTDOWN_GRACE_MS: '500',
   // Nothing in a test may reach a real provider.
   UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1',
 };

@@ -1,10 +1,27 @@
 // The worker supervisor: dead pools' jobs are released, and a pool that stops on its own is
-// replaced, so requests finish without a restart.
+// replaced, so requests finish without a restart. A live worker is never taken for dead: not
+// while its event loop stalls, nor while it stops and its calls in flight land.
 import t from 'tap';
 import { sweep } from '../../src/worker/supervisor.ts';
-import { startTestGateway } from '../helpers/gateway.ts';
+import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { isTerminal, waitForRow } from '../helpers/rows.ts';
+import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
+import { spawnServe } from '../helpers/serve.ts';
+import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { until } from '../helpers/wait.ts';
+
+const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
+
+/** An upstream whose calls are all answered (200) once the test says so. */
+async function heldUpstream(t: Parameters<typeof startFakeUpstream>[0]) {
+  let release!: () => void;
+  const released = new Promise<void>((resolve) => (release = resolve));
+  const upstream = await startFakeUpstream(t, async (call) => {
+    await released;
+    return { status: 200, json: completionFor(call.body) };
+  });
+  return { ...upstream, release };
+}
 
 async function lockedJobs(gateway: Awaited<ReturnType<typeof startTestGateway>>) {
   const { rows } = await gateway.pool.query(`select id, locked_by from graphile_worker._private_jobs order by id`);
@@ -82,4 +99,91 @@ t.test('a worker pool that stops on its own is replaced, and its request complet
 
   const next = await client.post({ model: 'test-echo', messages: userMessage(), wait: true });
   t.equal(next.status, 200, 'and requests keep completing');
+});
+
+t.test('a worker whose event loop stalls for 2 s keeps its heartbeat row and its attempt: another worker does not take it for dead', async (t) => {
+  const upstream = await heldUpstream(t);
+  const api = await startTestGateway(t, { role: 'api' });
+  // WORKER_DEAD_AFTER_MS is the default (7 s), in both workers.
+  const stalling = spawnServe(
+    t,
+    {
+      ...TEST_SETTINGS,
+      DATABASE_URL: api.databaseUrl,
+      SECRET_ENCRYPTION_KEY: api.config.secretEncryptionKey!.toString('base64'),
+      UPSTREAM_BASE_URL: upstream.baseUrl,
+      UPSTREAM_TIMEOUT_MS: '60000',
+      NODE_OPTIONS: `--import ${new URL('../helpers/stall-on-signal.ts', import.meta.url).pathname}`,
+    },
+    ['--role', 'worker'],
+  );
+  await until(() => stalling.output().includes('worker pool started'), () => `the worker:\n${stalling.output()}`, 15_000);
+  const accepted = await clientFor(api.url, await api.createKey({ mode: 'live' })).post({ model: 'gpt-x', messages: userMessage() });
+  const id = accepted.body.id as string;
+  await until(() => upstream.calls.length === 1, 'the call to reach the upstream');
+  const workerId = (await attemptRows(api.db, id))[0]!.worker_id!;
+  const peer = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+
+  // The age of the stalled worker's heartbeat, as another worker's sweep sees it.
+  const ages: (number | null)[] = [];
+  let sampling = true;
+  const sampled = (async () => {
+    while (sampling) {
+      const { rows } = await api.pool.query(
+        `select (extract(epoch from now() - last_seen_at) * 1000)::int as age from gateway.worker_pools where id = $1`,
+        [workerId],
+      );
+      ages.push(rows[0]?.age ?? null);
+      await sleep(50);
+    }
+  })();
+  stalling.child.kill('SIGUSR2');
+  await until(() => stalling.output().includes('stalled the event loop'), 'the stall', 10_000);
+  // Its heartbeat comes back within a beat; two of the peer's sweeps after that.
+  await sleep(4_000);
+  sampling = false;
+  await sampled;
+
+  const oldest = Math.max(...ages.filter((age) => age !== null));
+  t.comment(`${stalling.output().match(/stalled the event loop for \d+ ms/)![0]}; its heartbeat was at most ${oldest} ms old (dead after 7000)`);
+  t.ok(ages.every((age) => age !== null), 'its row was never deleted');
+  t.ok(oldest >= 1_500 && oldest < 7_000, 'and the stall showed in its age, which stayed below WORKER_DEAD_AFTER_MS');
+  t.match(await attemptRows(api.db, id), [{ outcome: 'running', worker_id: workerId }], 'its attempt is still its own, running');
+  t.notOk(peer.logs.some((line) => /attempt lost with its worker|released the jobs of dead workers/.test(line)), 'the peer recovered nothing');
+
+  upstream.release();
+  t.match(await waitForRow(api.db, id, isTerminal), { status: 'completed', attempts: 1 }, 'the stalled worker completes the request');
+  t.match(await attemptRows(api.db, id), [{ attempt_number: 1, outcome: 'succeeded', worker_id: workerId }], 'in its one attempt');
+});
+
+t.test('a stopping worker keeps its heartbeat until its call has landed: no other worker takes the call for lost, and its answer is recorded', async (t) => {
+  const upstream = await heldUpstream(t);
+  const stopping = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, UPSTREAM_TIMEOUT_MS: '60000', WORKER_DEAD_AFTER_MS: '2000', SHUTDOWN_GRACE_MS: '1900' },
+  });
+  const accepted = await clientFor(stopping.url, await stopping.createKey({ mode: 'live' })).post({ model: 'gpt-x', messages: userMessage() });
+  const id = accepted.body.id as string;
+  await until(() => upstream.calls.length === 1, 'the call to reach the upstream');
+  const workerId = (await attemptRows(stopping.db, id))[0]!.worker_id!;
+  // The peer presumes a worker dead after 1 s without a beat, sooner than the stopping one's
+  // own setting: a heartbeat that ended with the stop would be found stale in the middle of the
+  // grace, while the call is still under way.
+  const peer = await startTestGateway(t, {
+    role: 'worker',
+    databaseUrl: stopping.databaseUrl,
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, WORKER_DEAD_AFTER_MS: '1000' },
+  });
+
+  const stopped = stopping.stop();
+  await sleep(1_600);
+  t.ok(await requestRow(stopping.db, id).then((row) => row?.status === 'processing'), 'the call is still under way 1.6 s into the stop');
+  upstream.release();
+  await stopped;
+
+  t.match(await requestRow(stopping.db, id), { status: 'completed', attempts: 1 }, 'its answer completed the request');
+  t.match(await attemptRows(stopping.db, id), [{ attempt_number: 1, outcome: 'succeeded', worker_id: workerId }], 'recorded by the stopping worker');
+  t.equal(upstream.calls.length, 1, 'the upstream was called once');
+  t.notOk(peer.logs.some((line) => line.includes('attempt lost with its worker')), 'the peer took nothing for lost');
+  const { rows } = await stopping.pool.query('select id from gateway.worker_pools where id = $1', [workerId]);
+  t.same(rows, [], 'then the stopped worker\'s row is released');
 });

@@ -36,8 +36,7 @@ export const FAULT_SETTINGS: Record<string, string> = {
   RETRY_MAX_MS: '100',
   WORKER_POLL_INTERVAL_MS: '100',
   WORKER_CONCURRENCY: '32',
-  // A dead worker's jobs are released well inside the 30 s the issue allows.
-  WORKER_DEAD_AFTER_MS: '10000',
+  // WORKER_DEAD_AFTER_MS is the default: a dead worker's attempts start again within 10 s.
   SHUTDOWN_GRACE_MS: '2000',
   DATABASE_POOL_SIZE: '8',
   WORKER_POOL_SIZE: '8',
