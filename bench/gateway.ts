@@ -40,8 +40,13 @@ function environment(env: GatewayEnv, port: number | undefined): NodeJS.ProcessE
     ...env.settings,
     DATABASE_URL: env.databaseUrl,
     SECRET_ENCRYPTION_KEY: env.secretEncryptionKey,
+    // (the process would refuse both keys settings at once)
+    SECRET_ENCRYPTION_KEYS: '',
     HOST: '127.0.0.1',
     PORT: String(port ?? 0),
+    // Metrics are read from PORT (behind METRICS_TOKEN) by the phases that read them; a
+    // METRICS_PORT would take them away, and be one port for several processes.
+    METRICS_PORT: '',
   };
 }
 
@@ -67,7 +72,7 @@ export const running = new Set<GatewayProcess>();
 
 export class GatewayProcess {
   readonly role: Role;
-  /** Its HTTP port: the API's, or for a worker its health and metrics (/metrics). */
+  /** Its HTTP port: the API's, or for a worker its health; and /metrics, when a phase sets METRICS_TOKEN. */
   readonly port: number;
   readonly logFile: string;
   readonly #child: ChildProcess;

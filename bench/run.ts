@@ -169,7 +169,9 @@ function met(value: boolean | undefined): string {
 /** How this run was started, with the settings that were given (a password hidden). */
 function command(databaseUrl: string | undefined): string {
   const names = new Set(gatewaySettingNames());
-  for (const own of ['DATABASE_URL', 'SECRET_ENCRYPTION_KEY', 'PORT', 'HOST', 'LOG_LEVEL', 'DATA_DIR']) names.delete(own);
+  for (const own of ['DATABASE_URL', 'SECRET_ENCRYPTION_KEY', 'SECRET_ENCRYPTION_KEYS', 'PORT', 'METRICS_PORT', 'HOST', 'LOG_LEVEL', 'DATA_DIR']) {
+    names.delete(own);
+  }
   const given = Object.keys(process.env)
     .filter((name) => names.has(name) && process.env[name]?.trim())
     .sort()

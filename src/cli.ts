@@ -3,7 +3,7 @@
 import './heap.ts'; // first: V8 settings that must precede any allocation
 import { parseArgs } from 'node:util';
 import * as v from 'valibot';
-import { createKeyCommand, listKeysCommand, revokeKeyCommand } from './cli/keys.ts';
+import { createKeyCommand, listKeysCommand, reencryptKeysCommand, revokeKeyCommand } from './cli/keys.ts';
 import { requestCommand } from './cli/request.ts';
 import { listRequestsCommand, showRequestCommand, statsCommand } from './cli/requests.ts';
 import { upstreamsCommand } from './cli/upstreams.ts';
@@ -28,10 +28,13 @@ const USAGE = `Usage: gateway <command>
   start                        migrate and serve everything; with DATABASE_URL unset, on an
                                embedded Postgres under .data/ (what \`make run\` does)
   keys create --project <name> [--mode live|test] [--json]
-                               create a key (and its project if needed); prints the key and
-                               its signing secret, once
+                               create a key (and its project if needed); prints its id, the
+                               key and its signing secret, once
   keys list [--project <name>] [--json]
   keys revoke <key id> [--json]
+  keys reencrypt [--json]      encrypt every signing secret and webhook secret again with the
+                               first of SECRET_ENCRYPTION_KEYS (safe to repeat, and to run
+                               while the gateway runs)
   webhooks add --project <name> --url <url> [--events <event,...>] [--json]
                                send the project's request.completed, request.failed and
                                request.cancelled events (or those named) to the URL; prints the
@@ -145,7 +148,8 @@ async function serve(config: Config, args: string[]): Promise<void> {
 /** One of the API processes a cluster's primary forked (API_PROCESSES > 1). */
 async function serveClusterChild(config: Config): Promise<void> {
   const logger = createLogger(config);
-  const gateway = await startGateway({ config, logger, role: 'api', databaseUrl: config.databaseUrl! });
+  // METRICS_PORT, when set, is the primary's: it serves everyone's metrics there.
+  const gateway = await startGateway({ config, logger, role: 'api', databaseUrl: config.databaseUrl!, metricsPort: false });
   shareMetricsWithPrimary(gateway.metrics);
   // The primary decides when to stop (it relays SIGTERM); a Ctrl-C reaches it too.
   process.on('SIGINT', () => {});
@@ -167,7 +171,11 @@ async function start(baseConfig: Config, args: string[]): Promise<void> {
             logger,
             role: 'all',
             databaseUrl: database.url,
-            childEnv: config.secretEncryptionKey ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKey.toString('base64') } : {},
+            // The key generated under DATA_DIR, when none was set (a set one reaches them as it is).
+            childEnv:
+              baseConfig.secretEncryptionKey === undefined && config.secretEncryptionKey
+                ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKey.toString('base64') }
+                : {},
           })
         : await startGateway({ config, logger, role: 'all', databaseUrl: database.url });
     logger.info('ready; create a test key with: npm run gateway -- keys create --project demo --mode test');
@@ -207,8 +215,14 @@ async function keys(config: Config, args: string[]): Promise<void> {
       if (positionals.length !== 1) throw new UsageError('keys revoke needs exactly one key id.');
       return adminCommand(config, (db) => revokeKeyCommand(db, positionals[0]!, { json: values.json! }));
     }
+    case 'reencrypt': {
+      const { values } = parse(rest, { json: { type: 'boolean', default: false } });
+      return adminCommand(config, (db, { config: effective }) =>
+        reencryptKeysCommand(db, effective.secretEncryptionKeys, { json: values.json! }),
+      );
+    }
     default:
-      throw new UsageError('keys takes create, list or revoke.');
+      throw new UsageError('keys takes create, list, revoke or reencrypt.');
   }
 }
 

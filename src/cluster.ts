@@ -1,15 +1,18 @@
 // API_PROCESSES > 1: one Node process cannot use more than one core, so `gateway serve` (and
 // `start`) fork that many API processes sharing PORT (node:cluster). The primary forks them,
 // replaces any that dies, runs the worker role itself for --role all, relays a shutdown to every
-// process, and answers /metrics for all of them: each API process asks it for the sum of
-// everyone's metrics, so a scrape sees the whole service whichever process it reaches.
+// process, and answers /metrics for all of them with the sum of everyone's metrics: itself on
+// METRICS_PORT when that is set, or else through the API processes on PORT (with METRICS_TOKEN:
+// each asks the primary), so that a scrape sees the whole service whichever process it reaches.
+import type http from 'node:http';
 import cluster, { type Worker as ClusterChild } from 'node:cluster';
 import client from 'prom-client';
 import type { Config } from './config.ts';
-import { errorSummary } from './db/pool.ts';
+import { createDb, createPool, errorSummary } from './db/pool.ts';
+import { createMetricsApp } from './http/app.ts';
 import type { Logger } from './logger.ts';
-import { startGateway, type Gateway, type Role } from './main.ts';
-import type { Metrics } from './metrics.ts';
+import { assertSecretsDecrypt, closeServer, listen, startGateway, type Gateway, type Role } from './main.ts';
+import { Metrics } from './metrics.ts';
 
 const RESTART_MIN_MS = 250;
 const RESTART_MAX_MS = 5_000;
@@ -54,6 +57,11 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
     return child;
   };
 
+  // An API process whose keys cannot decrypt the signing secrets stops at once; the primary
+  // checks first, rather than replace such processes for ever.
+  const checkPool = createPool(options.databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger });
+  await assertSecretsDecrypt(createDb(checkPool), config).finally(() => checkPool.end());
+
   cluster.on('exit', (child, code, signal) => {
     if (stopping) return;
     log.error({ pid: child.process.pid, code, signal }, 'an API process exited; starting another');
@@ -69,6 +77,8 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
     role === 'all'
       ? await startGateway({ config, logger, role: 'worker', databaseUrl: options.databaseUrl, http: false })
       : undefined;
+  // The primary's own registry (the worker's, for --role all): its process, and its scrapes.
+  const metrics = worker?.metrics ?? new Metrics();
 
   for (let i = 0; i < config.apiProcesses; i++) fork();
   const listening = new Promise<void>((resolve) => {
@@ -79,6 +89,14 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   });
   await listening;
   log.info({ apiProcesses: config.apiProcesses, port: config.port }, 'API processes listening');
+
+  let metricsServer: http.Server | undefined;
+  if (config.metricsPort !== undefined) {
+    metrics.renderWith(collect);
+    metricsServer = await listen(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort, config.host);
+    const address = metricsServer.address() as { port: number };
+    log.info({ metricsPort: address.port }, 'serving the metrics of every process');
+  }
 
   cluster.on('message', (_child, message: Message) => {
     if (message.type !== 'gateway:metrics') return;
@@ -101,7 +119,7 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
     for (const child of children) child.send({ type: 'gateway:metrics?', id });
     const json = await fromChildren;
     pending.delete(id);
-    if (worker) json.push(await worker.metrics.registry.getMetricsAsJSON());
+    json.push(await metrics.registry.getMetricsAsJSON());
     return client.AggregatorRegistry.aggregate(json).metrics();
   }
 
@@ -110,15 +128,20 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
       stopping = true;
       const children = Object.values(cluster.workers ?? {}).filter((child): child is ClusterChild => !!child);
       const exited = children.map((child) => new Promise<void>((resolve) => child.once('exit', () => resolve())));
+      const metricsClosed = metricsServer && closeServer(metricsServer);
       // Each API process drains itself: no new connections, waiters answered, then it exits.
       for (const child of children) child.process.kill('SIGTERM');
       await Promise.all(exited);
+      await metricsClosed;
       await worker?.stop();
     },
   };
 }
 
-/** In an API process of the cluster: its /metrics is everyone's, collected by the primary. */
+/**
+ * In an API process of the cluster: answers the primary's requests for its metrics, and its own
+ * /metrics (when PORT serves one) is everyone's, collected by the primary.
+ */
 export function shareMetricsWithPrimary(metrics: Metrics): void {
   let nextId = 0;
   const waiting = new Map<number, (text: string) => void>();

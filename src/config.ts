@@ -28,7 +28,7 @@ const integer = (name: string, fallback: number, min: number, max = Number.MAX_S
   );
 
 /** A whole number that may be left unset (or empty). */
-const optionalInteger = (name: string, min: number) =>
+const optionalInteger = (name: string, min: number, max = Number.MAX_SAFE_INTEGER) =>
   v.optional(
     v.pipe(
       v.string(),
@@ -36,6 +36,7 @@ const optionalInteger = (name: string, min: number) =>
       v.check((value) => value === '' || /^\d+$/.test(value), `${name} must be a whole number`),
       v.transform((value) => (value === '' ? undefined : Number(value))),
       v.check((value) => value === undefined || value >= min, `${name} must be at least ${min}`),
+      v.check((value) => value === undefined || value <= max, `${name} must be at most ${max}`),
     ),
   );
 
@@ -60,6 +61,8 @@ const Environment = v.object({
   MAX_BODY_BYTES: integer('MAX_BODY_BYTES', 4 * 1024 * 1024, 1024),
   SIGNATURES: v.optional(v.picklist(['required', 'optional']), 'required'),
   SECRET_ENCRYPTION_KEY: optionalText,
+  SECRET_ENCRYPTION_KEYS: optionalText,
+  METRICS_PORT: optionalInteger('METRICS_PORT', 0, 65535),
   METRICS_TOKEN: optionalText,
 
   UPSTREAM_BASE_URL: v.optional(
@@ -73,6 +76,7 @@ const Environment = v.object({
   ),
   UPSTREAM_API_KEY: optionalText,
   UPSTREAM_TIMEOUT_MS: integer('UPSTREAM_TIMEOUT_MS', 120_000, 1),
+  UPSTREAM_MAX_RESPONSE_BYTES: integer('UPSTREAM_MAX_RESPONSE_BYTES', 2 * 1024 * 1024, 1024),
   UPSTREAMS_FILE: optionalText,
   UPSTREAM_MEMORY_MB: integer('UPSTREAM_MEMORY_MB', 256, 1, 1_000_000),
   MAX_IN_FLIGHT: optionalInteger('MAX_IN_FLIGHT', 1),
@@ -130,14 +134,26 @@ export interface Config {
   readonly waitTimeoutMs: number;
   readonly maxBodyBytes: number;
   readonly signatures: 'required' | 'optional';
-  /** 32-byte key that encrypts signing secrets at rest; undefined until set. */
+  /**
+   * The 32-byte key that encrypts signing secrets and webhook secrets at rest (the first of
+   * SECRET_ENCRYPTION_KEYS, or SECRET_ENCRYPTION_KEY); undefined until set.
+   */
   readonly secretEncryptionKey: Buffer | undefined;
-  /** When set, GET /metrics requires "Authorization: Bearer <token>". */
+  /** Every key that may decrypt them, the encrypting one first (the others: keys being rotated out); empty until set. */
+  readonly secretEncryptionKeys: readonly Buffer[];
+  /**
+   * Where GET /metrics is served: a port of its own (METRICS_PORT; 0 picks a free one), or the
+   * API's (and a worker's health) port when only METRICS_TOKEN is set; with neither, nowhere.
+   */
+  readonly metricsPort: number | undefined;
+  /** When set, GET /metrics requires "Authorization: Bearer <token>", wherever it is served. */
   readonly metricsToken: string | undefined;
 
   /** Where live requests go: UPSTREAMS_FILE's upstreams, or one built from UPSTREAM_BASE_URL and UPSTREAM_API_KEY. */
   readonly upstreams: readonly Upstream[];
   readonly upstreamTimeoutMs: number;
+  /** An upstream answer larger than this is upstream_invalid_response, read no further. */
+  readonly upstreamMaxResponseBytes: number;
   /** Live upstream calls a worker process keeps in flight at most: MAX_IN_FLIGHT, or UPSTREAM_MEMORY_MB's worth. */
   readonly maxInFlight: number;
   /** Test-mode (simulated) calls a worker process keeps in flight at most, apart from the live ones. */
@@ -204,6 +220,17 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     throw new ConfigError(`Invalid settings:\n  ${problems.join('\n  ')}`);
   }
   const e = parsed.output;
+  if (e.METRICS_PORT !== undefined && e.METRICS_PORT !== 0 && e.METRICS_PORT === e.PORT) {
+    throw new ConfigError(`Invalid settings:\n  METRICS_PORT (${e.METRICS_PORT}) must not be PORT: metrics are served apart from the API`);
+  }
+  const secretEncryptionKeys = parseEncryptionKeys(e.SECRET_ENCRYPTION_KEY, e.SECRET_ENCRYPTION_KEYS);
+  if (e.SHUTDOWN_GRACE_MS >= e.WORKER_DEAD_AFTER_MS) {
+    // A worker stopping past its dead-after time could see its calls, still under way, recovered
+    // by another as lost, and run twice.
+    throw new ConfigError(
+      `Invalid settings:\n  SHUTDOWN_GRACE_MS (${e.SHUTDOWN_GRACE_MS}) must be below WORKER_DEAD_AFTER_MS (${e.WORKER_DEAD_AFTER_MS})`,
+    );
+  }
   return Object.freeze({
     databaseUrl: e.DATABASE_URL,
     port: e.PORT,
@@ -213,10 +240,13 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     waitTimeoutMs: e.WAIT_TIMEOUT_MS,
     maxBodyBytes: e.MAX_BODY_BYTES,
     signatures: e.SIGNATURES,
-    secretEncryptionKey: parseEncryptionKey(e.SECRET_ENCRYPTION_KEY),
+    secretEncryptionKey: secretEncryptionKeys[0],
+    secretEncryptionKeys,
+    metricsPort: e.METRICS_PORT,
     metricsToken: e.METRICS_TOKEN,
     upstreams: loadUpstreams(e.UPSTREAMS_FILE, env, e.UPSTREAM_BASE_URL, e.UPSTREAM_API_KEY),
     upstreamTimeoutMs: e.UPSTREAM_TIMEOUT_MS,
+    upstreamMaxResponseBytes: e.UPSTREAM_MAX_RESPONSE_BYTES,
     maxInFlight: e.MAX_IN_FLIGHT ?? Math.floor((e.UPSTREAM_MEMORY_MB * 1024) / MEMORY_PER_CALL_KB),
     testMaxInFlight: e.TEST_MAX_IN_FLIGHT,
     testDelayMaxMs: Math.min(e.UPSTREAM_TIMEOUT_MS, TEST_DELAY_CEILING_MS),
@@ -265,12 +295,29 @@ function loadUpstreams(
   }
 }
 
-function parseEncryptionKey(value: string | undefined): Buffer | undefined {
-  if (value === undefined) return undefined;
+/**
+ * SECRET_ENCRYPTION_KEY (one key), or SECRET_ENCRYPTION_KEYS (the key that encrypts, then keys
+ * that only decrypt: the ones being rotated out); never both, so that no one wonders which wins.
+ */
+function parseEncryptionKeys(single: string | undefined, list: string | undefined): readonly Buffer[] {
+  if (single !== undefined && list !== undefined) {
+    throw new ConfigError(
+      'Invalid settings:\n  SECRET_ENCRYPTION_KEY and SECRET_ENCRYPTION_KEYS are both set: set only SECRET_ENCRYPTION_KEYS ' +
+        '(the key that encrypts first, then the keys that still decrypt), or only SECRET_ENCRYPTION_KEY',
+    );
+  }
+  if (single !== undefined) return Object.freeze([parseEncryptionKey('SECRET_ENCRYPTION_KEY', single)]);
+  if (list === undefined) return Object.freeze([]);
+  return Object.freeze(
+    list.split(',').map((item, index) => parseEncryptionKey(`SECRET_ENCRYPTION_KEYS (key ${index + 1})`, item.trim())),
+  );
+}
+
+function parseEncryptionKey(name: string, value: string): Buffer {
   const key = /^[0-9a-fA-F]{64}$/.test(value) ? Buffer.from(value, 'hex') : Buffer.from(value, 'base64');
   if (key.length !== 32) {
     throw new ConfigError(
-      'Invalid settings:\n  SECRET_ENCRYPTION_KEY must be 32 bytes, written as 64 hex digits or in base64 ' +
+      `Invalid settings:\n  ${name} must be 32 bytes, written as 64 hex digits or in base64 ` +
         '(for example the output of `openssl rand -base64 32`)',
     );
   }

@@ -42,5 +42,5 @@ export async function withLocalSecrets(config: Config): Promise<Config> {
     await mkdir(config.dataDir, { recursive: true });
     await writeFile(file, `${key.toString('base64')}\n`, { mode: 0o600 });
   }
-  return Object.freeze({ ...config, secretEncryptionKey: key });
+  return Object.freeze({ ...config, secretEncryptionKey: key, secretEncryptionKeys: Object.freeze([key]) });
 }

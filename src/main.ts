@@ -9,11 +9,12 @@ import { ConfigError, type Config } from './config.ts';
 import { schemaVersion } from './db/migrate.ts';
 import { createDb, createPool, type Db } from './db/pool.ts';
 import { ApiError, invalidRequest } from './errors.ts';
-import { createApp, createOpsApp } from './http/app.ts';
+import { createApp, createMetricsApp, createOpsApp } from './http/app.ts';
 import type { Logger } from './logger.ts';
 import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
+import { signingSecretNotDecrypted } from './keys/service.ts';
 import { FINISHED_CHANNEL, Waiters } from './requests/waiters.ts';
 import { LaneRouter } from './lanes/routing.ts';
 import { intakeLimitsFor, type IntakeLimits } from './requests/intake.ts';
@@ -31,11 +32,15 @@ export interface GatewayOptions {
   databaseUrl: string;
   /** false: serve no HTTP at all (the worker of a cluster's primary, whose API processes serve it). */
   http?: boolean;
+  /** false: leave METRICS_PORT alone even when it is set (a cluster's API process: its primary serves it for all). */
+  metricsPort?: boolean;
 }
 
 export interface Gateway {
-  /** Base URL of its HTTP server: the API, or for role "worker" only health and metrics ('' with http: false). */
+  /** Base URL of its HTTP server: the API, or for role "worker" only health ('' with http: false). */
   url: string;
+  /** Base URL of its METRICS_PORT server ('' when it serves none). */
+  metricsUrl: string;
   metrics: Metrics;
   waiters: Waiters | undefined;
   keys: KeyCache | undefined;
@@ -44,17 +49,14 @@ export interface Gateway {
 
 export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const { config, logger, role, databaseUrl } = options;
-  if (role !== 'worker' && config.secretEncryptionKey === undefined) {
-    throw new ConfigError(
-      'SECRET_ENCRYPTION_KEY is not set: the API needs it to decrypt signing secrets and verify request signatures.',
-    );
-  }
+  if (role !== 'worker' && config.secretEncryptionKeys.length === 0) throw noEncryptionKey();
   let apiPool: pg.Pool | undefined;
   let workerPool: pg.Pool | undefined;
   let listener: Listener | undefined;
   let waiters: Waiters | undefined;
   let keys: KeyCache | undefined;
   let server: http.Server | undefined;
+  let metricsServer: http.Server | undefined;
   let worker: WorkerService | undefined;
   let intake: IntakeLimits | undefined;
   let attempts: Attempts | undefined;
@@ -63,6 +65,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const stop = async () => {
     // Calls in flight get SHUTDOWN_GRACE_MS while the server closes.
     const attemptsStopped = worker?.stop();
+    const metricsClosed = metricsServer && closeServer(metricsServer);
     if (server) {
       const closed = closeServer(server);
       // Waiting wait=true requests are answered now with their acknowledgement, rather than
@@ -71,6 +74,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       await closed;
     }
     waiters?.close();
+    await metricsClosed;
     await attemptsStopped;
     await attempts?.close();
     await intake?.stop();
@@ -121,10 +125,11 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
     if (role !== 'worker') {
       apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
       await assertSchemaCurrent(apiPool);
+      const db = createDb(apiPool);
+      await assertSecretsDecrypt(db, config);
       waiters = new Waiters(listener);
       keys = new KeyCache(listener);
       await listener.start();
-      const db = createDb(apiPool);
       metrics.watchPool('api', apiPool);
       metrics.watchWaiters(waiters);
       metrics.watchQueue(db);
@@ -149,7 +154,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         intake,
         ...(dispatching ? { onStored: (laneId: string) => dispatching.poke(laneId) } : {}),
       });
-      server = await listen(app.callback(), config);
+      server = await listen(app.callback(), config.port, config.host);
     }
     if (workerPool && workerDb && attempts && dispatcher && deliverer) {
       if (role === 'worker') {
@@ -158,7 +163,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         metrics.watchQueue(workerDb);
         metrics.watchWebhooks(workerDb);
         if (options.http !== false) {
-          server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config);
+          server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config.port, config.host);
         }
       }
       worker = await startWorkerService({
@@ -172,16 +177,38 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         deliverer,
       });
     }
+    if (options.http !== false && options.metricsPort !== false && config.metricsPort !== undefined) {
+      metricsServer = await listen(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort, config.host);
+    }
   } catch (error) {
     await stop().catch(() => {});
     throw error;
   }
 
-  const address = server?.address() as AddressInfo | undefined;
-  const url = address ? `http://${hostForUrl(address)}:${address.port}` : '';
-  logger.info({ role, url }, 'gateway started');
-  return { url, metrics, waiters, keys, stop };
+  const url = urlOf(server);
+  const metricsUrl = urlOf(metricsServer);
+  logger.info({ role, url, ...(metricsUrl ? { metricsUrl } : {}) }, 'gateway started');
+  return { url, metricsUrl, metrics, waiters, keys, stop };
 }
+
+/**
+ * Stops an API process whose encryption keys do not decrypt the stored signing secrets: it
+ * would answer every signed request with a 500. (Before any key exists there is nothing to try.)
+ */
+export async function assertSecretsDecrypt(db: Db, config: Pick<Config, 'secretEncryptionKeys'>): Promise<void> {
+  if (config.secretEncryptionKeys.length === 0) throw noEncryptionKey();
+  const keyId = await signingSecretNotDecrypted(db, config.secretEncryptionKeys);
+  if (keyId === undefined) return;
+  const given = config.secretEncryptionKeys.length;
+  throw new ConfigError(
+    'SECRET_ENCRYPTION_KEY(S) cannot decrypt the stored signing secrets: ' +
+      `the signing secret of key ${keyId} was stored with a key other than the ${given === 1 ? 'one' : `${given}`} given. ` +
+      'Set the key they were stored with; to rotate keys, SECRET_ENCRYPTION_KEYS=<new key>,<old key>, then `gateway keys reencrypt`.',
+  );
+}
+
+const noEncryptionKey = () =>
+  new ConfigError('SECRET_ENCRYPTION_KEY is not set: the API needs it to decrypt signing secrets and verify request signatures.');
 
 async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
   const { applied, expected } = await schemaVersion(pool);
@@ -192,7 +219,7 @@ async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
   }
 }
 
-function listen(handler: http.RequestListener, config: Config): Promise<http.Server> {
+export function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
   const server = http.createServer(
     {
       // Hostile or broken clients may not hold a socket open without sending a request.
@@ -207,7 +234,7 @@ function listen(handler: http.RequestListener, config: Config): Promise<http.Ser
   server.on('clientError', answerClientError);
   return new Promise((resolve, reject) => {
     server.once('error', reject);
-    server.listen(config.port, config.host, () => {
+    server.listen(port, host, () => {
       server.off('error', reject);
       resolve(server);
     });
@@ -240,11 +267,16 @@ function answerClientError(error: Error & { code?: string }, socket: Duplex): vo
 }
 
 /** Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are answered. */
-function closeServer(server: http.Server): Promise<void> {
+export function closeServer(server: http.Server): Promise<void> {
   return new Promise((resolve) => {
     server.close(() => resolve());
     server.closeIdleConnections();
   });
+}
+
+function urlOf(server: http.Server | undefined): string {
+  const address = server?.address() as AddressInfo | null | undefined;
+  return address ? `http://${hostForUrl(address)}:${address.port}` : '';
 }
 
 function hostForUrl(address: AddressInfo): string {

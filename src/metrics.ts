@@ -10,8 +10,12 @@ import type { Usage } from './upstream/outcome.ts';
 
 const PREFIX = 'gateway_';
 
+/** How long a gauge read from the database (the queue, webhooks) answers every scrape. */
+const DATABASE_GAUGE_TTL_MS = 5_000;
+
 export class Metrics {
   readonly registry = new client.Registry();
+  readonly #databaseGaugeTtlMs: number;
 
   readonly httpRequests = new client.Counter({
     name: `${PREFIX}http_requests_total`,
@@ -85,9 +89,17 @@ export class Metrics {
     registers: [this.registry],
   });
 
+  readonly unknownKeys = new client.Counter({
+    name: `${PREFIX}unknown_keys_total`,
+    help: 'Requests refused because their API key, well formed, is not known or is revoked (a guess, a typo, a flood).',
+    registers: [this.registry],
+  });
+
   readonly #pools = new Map<string, pg.Pool>();
 
-  constructor() {
+  /** `databaseGaugeTtlMs`: how long a gauge read from the database is reused (tests shorten it). */
+  constructor(options: { databaseGaugeTtlMs?: number } = {}) {
+    this.#databaseGaugeTtlMs = options.databaseGaugeTtlMs ?? DATABASE_GAUGE_TTL_MS;
     client.collectDefaultMetrics({ register: this.registry, prefix: PREFIX });
     const pools = this.#pools;
     new client.Gauge({
@@ -148,10 +160,19 @@ export class Metrics {
   }
 
   /**
-   * gateway_requests{status,mode}: requests not finished yet, read from the database at each
-   * scrape (the same figure in every process: aggregate it with max, not sum).
+   * gateway_requests{status,mode}: requests not finished yet, read from the database (once per
+   * few seconds, whoever scrapes: see sharedRead) and the same figure in every process:
+   * aggregate it with max, not sum.
    */
   watchQueue(db: Db): void {
+    const read = sharedRead(async () => {
+      const { rows } = await sql<{ status: string; mode: string; count: string }>`
+        select status, mode, count(*) as count from gateway.requests
+        where finished_at is null
+        group by status, mode
+      `.execute(db);
+      return rows;
+    }, this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}requests`,
       help: 'Requests not finished yet (the queue), by status and mode, as the database has them.',
@@ -160,11 +181,7 @@ export class Metrics {
       aggregator: 'max',
       registers: [this.registry],
       async collect() {
-        const { rows } = await sql<{ status: string; mode: string; count: string }>`
-          select status, mode, count(*) as count from gateway.requests
-          where finished_at is null
-          group by status, mode
-        `.execute(db);
+        const rows = await read();
         this.reset();
         for (const status of ['queued', 'processing', 'retrying']) {
           for (const mode of ['live', 'test']) {
@@ -178,22 +195,25 @@ export class Metrics {
 
   /**
    * gateway_webhook_oldest_pending_seconds: the age of the oldest webhook message not delivered
-   * nor given up, read from the database at each scrape (the same in every process: aggregate
-   * it with max).
+   * nor given up, read from the database (once per few seconds, as watchQueue's) and the same
+   * in every process: aggregate it with max.
    */
   watchWebhooks(db: Db): void {
+    const read = sharedRead(async () => {
+      // (the partial index webhook_messages_unfinished answers it at once)
+      const { rows } = await sql<{ age: number | null }>`
+        select extract(epoch from now() - min(created_at))::float8 as age
+        from gateway.webhook_messages where finished_at is null
+      `.execute(db);
+      return rows[0]?.age ?? 0;
+    }, this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}webhook_oldest_pending_seconds`,
       help: 'Age of the oldest webhook message not yet delivered (nor given up), as the database has it; 0 when there is none.',
       aggregator: 'max',
       registers: [this.registry],
       async collect() {
-        // (the partial index webhook_messages_unfinished answers it at once)
-        const { rows } = await sql<{ age: number | null }>`
-          select extract(epoch from now() - min(created_at))::float8 as age
-          from gateway.webhook_messages where finished_at is null
-        `.execute(db);
-        this.set(Math.max(0, rows[0]?.age ?? 0));
+        this.set(Math.max(0, await read()));
       },
     });
   }
@@ -213,4 +233,27 @@ export class Metrics {
   get contentType(): string {
     return this.registry.contentType;
   }
+}
+
+/**
+ * A database read behind a gauge: run at most once per `ttlMs`, its answer shared by every
+ * scrape meanwhile, and never twice at once (scrapes that come during a read wait for it). A
+ * scrape costs the database nothing more however often, and by however many, /metrics is read.
+ * A failed read is not kept: the next scrape tries again.
+ */
+function sharedRead<T>(read: () => Promise<T>, ttlMs: number): () => Promise<T> {
+  let kept: { value: T; until: number } | undefined;
+  let reading: Promise<T> | undefined;
+  return () => {
+    if (kept && performance.now() < kept.until) return Promise.resolve(kept.value);
+    reading ??= read()
+      .then((value) => {
+        kept = { value, until: performance.now() + ttlMs };
+        return value;
+      })
+      .finally(() => {
+        reading = undefined;
+      });
+    return reading;
+  };
 }

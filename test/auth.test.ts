@@ -111,6 +111,32 @@ t.test('signatures', async (t) => {
 
   const nearEdge = await post(sign({ timestamp: Math.floor(Date.now() / 1000) - 295 }));
   t.equal(nearEdge.status, 202, 'a timestamp inside the window passes');
+
+  // t is signed as it is sent: the digits, not the number they make.
+  const leadingZero = await post(sign({ timestamp: `0${Math.floor(Date.now() / 1000)}` }));
+  t.equal(leadingZero.status, 202, 'a t with a leading zero, signed as sent, passes');
+  const zeroAdded = sign({ timestamp: Math.floor(Date.now() / 1000) }).replace('t=', 't=0');
+  const notAsSigned = await post(zeroAdded);
+  t.equal(notAsSigned.status, 401, 'a leading zero added after signing does not');
+  t.equal(notAsSigned.body.error.code, 'invalid_signature');
+});
+
+t.test('an empty Svc-Signature header is a malformed signature, not a missing one, in both modes', async (t) => {
+  for (const mode of ['required', 'optional']) {
+    const gateway = await startTestGateway(t, { role: 'api', env: { SIGNATURES: mode } });
+    const key = await gateway.createKey();
+    const created = await send(gateway.url, { path: PATH, body, key: key.api_key, headers: { 'svc-signature': '' } });
+    t.equal(created.status, 401, `SIGNATURES=${mode}: a POST with it is refused`);
+    t.equal(created.body.error.code, 'invalid_signature', `SIGNATURES=${mode}: invalid_signature`);
+    const lookup = await send(gateway.url, {
+      path: '/v1/requests/req_00000000000000000000',
+      key: key.api_key,
+      headers: { 'svc-signature': '' },
+    });
+    t.equal(lookup.status, 401, `SIGNATURES=${mode}: a lookup with it is refused`);
+    t.equal(lookup.body.error.code, 'invalid_signature');
+    t.equal(await countRows(gateway.db, 'requests'), 0, 'nothing stored');
+  }
 });
 
 t.test('a replayed nonce is refused and stores nothing', async (t) => {

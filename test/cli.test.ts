@@ -94,7 +94,8 @@ t.test('keys create, list and revoke', async (t) => {
   const created = await gateway(['keys', 'create', '--project', 'acme', '--mode', 'test', '--json'], env);
   t.equal(created.code, 0, created.stderr);
   const key = JSON.parse(created.stdout);
-  t.same(Object.keys(key), ['project', 'mode', 'api_key', 'signing_secret']);
+  t.same(Object.keys(key), ['id', 'project', 'mode', 'api_key', 'signing_secret']);
+  t.match(key.id, /^key_[A-Za-z0-9]{20,40}$/, 'the id, to revoke it by');
   t.equal(key.project, 'acme');
   t.equal(key.mode, 'test');
   t.match(key.api_key, /^svc_test_[A-Za-z0-9]{32,}$/);
@@ -105,7 +106,7 @@ t.test('keys create, list and revoke', async (t) => {
   t.match(human.stdout, /shown this once/);
 
   // The key works, signed with its secret.
-  const accepted = await clientFor(service.url, { ...key, id: '' }).post({ model: 'm', messages: userMessage() });
+  const accepted = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
   t.equal(accepted.status, 202);
 
   // Neither the key nor the secret is stored in plain text.
@@ -126,10 +127,11 @@ t.test('keys create, list and revoke', async (t) => {
   const table = await gateway(['keys', 'list'], env);
   t.match(table.stdout, /^id\s+project\s+mode\s+key\s+status/m);
 
-  const revoked = await gateway(['keys', 'revoke', listedKey.id], env);
+  t.equal(listedKey.id, key.id, 'the id --json gave is the key\'s');
+  const revoked = await gateway(['keys', 'revoke', key.id], env);
   t.equal(revoked.code, 0, revoked.stderr);
-  t.match(revoked.stdout, new RegExp(`Revoked key ${listedKey.id}`));
-  const refused = await clientFor(service.url, { ...key, id: '' }).post({ model: 'm', messages: userMessage() });
+  t.match(revoked.stdout, new RegExp(`Revoked key ${key.id}`));
+  const refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
   t.equal(refused.status, 401);
   t.equal(refused.body.error.code, 'invalid_api_key');
 

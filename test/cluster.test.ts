@@ -1,6 +1,7 @@
 // API_PROCESSES > 1: several API processes share the port, the primary runs the worker, a
-// scrape of /metrics counts every process, a killed API process is replaced, and SIGTERM stops
-// them all cleanly.
+// scrape of /metrics counts every process (on the primary's METRICS_PORT, or through any API
+// process with METRICS_TOKEN), a killed API process is replaced, and SIGTERM stops them all
+// cleanly.
 import t from 'tap';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
@@ -13,10 +14,12 @@ t.test('two API processes and a worker, started by one gateway serve', async (t)
   await setup.stop();
   const key = await setup.createKey();
   const port = await freePort();
+  const metricsPort = await freePort();
   const serve = spawnServe(t, {
     DATABASE_URL: setup.databaseUrl,
     SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
     PORT: String(port),
+    METRICS_PORT: String(metricsPort),
     HOST: '127.0.0.1',
     API_PROCESSES: '2',
     LOG_LEVEL: 'info',
@@ -45,9 +48,10 @@ t.test('two API processes and a worker, started by one gateway serve', async (t)
     .map((line) => JSON.parse(line).pid as number);
   t.same([...new Set(servedBy)].sort(), [...new Set(apiPids)].sort(), 'both served some of them');
 
-  const metrics = (await send(url, { path: '/metrics' })).text;
-  t.match(metrics, /gateway_requests_accepted_total\{mode="test"\} 20\n/, 'the scrape counts the requests of both processes');
+  const metrics = (await send(`http://127.0.0.1:${metricsPort}`, { path: '/metrics' })).text;
+  t.match(metrics, /gateway_requests_accepted_total\{mode="test"\} 20\n/, 'the primary\'s METRICS_PORT counts the requests of both processes');
   t.match(metrics, /gateway_attempts_total\{mode="test",outcome="succeeded",code="none"\} 20\n/, 'and the worker\'s attempts');
+  t.equal((await send(url, { path: '/metrics' })).status, 404, 'the API processes serve none on PORT');
 
   // A killed API process is replaced; the service keeps answering.
   process.kill(apiPids[0]!, 'SIGKILL');
@@ -59,4 +63,33 @@ t.test('two API processes and a worker, started by one gateway serve', async (t)
   child.kill('SIGTERM');
   t.equal(await serve.exited, 0, 'exits 0 on SIGTERM');
   t.equal(pidsOf('shut down cleanly').length, 3, 'the primary and both API processes shut down cleanly');
+});
+
+t.test('METRICS_TOKEN without METRICS_PORT: any API process answers /metrics for all, behind the token', async (t) => {
+  const setup = await startTestGateway(t, { role: 'api' });
+  await setup.stop();
+  const key = await setup.createKey();
+  const port = await freePort();
+  const serve = spawnServe(t, {
+    DATABASE_URL: setup.databaseUrl,
+    SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
+    PORT: String(port),
+    METRICS_TOKEN: 'cluster-scrape-token',
+    HOST: '127.0.0.1',
+    API_PROCESSES: '2',
+    LOG_LEVEL: 'info',
+  }, ['--role', 'api']);
+  await until(() => serve.output().includes('API processes listening'), () => `the API processes:\n${serve.output()}`, 10_000);
+  const url = `http://127.0.0.1:${port}`;
+  const client = clientFor(url, key);
+  for (let i = 0; i < 10; i++) t.equal((await client.post({ model: 'test-echo', messages: userMessage(`n${i}`) })).status, 202);
+
+  t.equal((await send(url, { path: '/metrics' })).status, 401, 'the token is required');
+  for (let i = 0; i < 4; i++) {
+    const metrics = await send(url, { path: '/metrics', headers: { authorization: 'Bearer cluster-scrape-token' } });
+    t.equal(metrics.status, 200);
+    t.match(metrics.text, /gateway_requests_accepted_total\{mode="test"\} 10\n/, `scrape ${i + 1}: all 10, whichever process answered`);
+  }
+  serve.child.kill('SIGTERM');
+  t.equal(await serve.exited, 0);
 });

@@ -1,6 +1,11 @@
 // GET /metrics (Prometheus): after a known mix of requests, every family has the right counts,
-// no label carries a key, secret or project, and METRICS_TOKEN guards it when set.
+// no label carries a key, secret or project; it is served on METRICS_PORT, or on PORT only
+// behind METRICS_TOKEN, and never otherwise; the gauges read from the database cost one read
+// per few seconds however often they are scraped.
 import t from 'tap';
+import { createDb, createPool } from '../src/db/pool.ts';
+import { createLogger } from '../src/logger.ts';
+import { Metrics } from '../src/metrics.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
 import { isTerminal, waitForRow } from './helpers/rows.ts';
@@ -23,7 +28,7 @@ const scrape = async (url: string, headers: Record<string, string> = {}) =>
 
 t.test('each metric family counts what happened', async (t) => {
   const upstream = await startFakeUpstream(t, (call) => ({ status: 200, json: completionFor(call.body) }));
-  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, METRICS_PORT: '0' } });
   const testKey = await gateway.createKey({ project: 'metrics-project', mode: 'test' });
   const liveKey = await gateway.createKey({ project: 'metrics-project', mode: 'live' });
   const test = clientFor(gateway.url, testKey);
@@ -41,7 +46,7 @@ t.test('each metric family counts what happened', async (t) => {
   await test.get(ids[0]!);
   await test.get('req_00000000000000000000'); // 404
 
-  const text = (await send(gateway.url, { path: '/metrics' })).text;
+  const text = (await send(gateway.metricsUrl, { path: '/metrics' })).text;
   const m = parse(text);
   const value = (sample: string) => m.get(sample) ?? 0;
   const post = 'method="POST",route="/v1/chat/completions"';
@@ -75,28 +80,58 @@ t.test('each metric family counts what happened', async (t) => {
 });
 
 t.test('the queue and the waiters, as they are', async (t) => {
-  const api = await startTestGateway(t, { role: 'api', env: { WAIT_TIMEOUT_MS: '20000' } });
+  const api = await startTestGateway(t, { role: 'api', env: { WAIT_TIMEOUT_MS: '20000', METRICS_PORT: '0' } });
   const client = clientFor(api.url, await api.createKey());
   for (let i = 0; i < 3; i++) await client.post({ model: 'test-echo', messages: userMessage() });
   const waiting = client.post({ model: 'test-echo', messages: userMessage(), wait: true });
   await until(() => api.waiters!.size > 0, 'the request to wait');
-  const m = await scrape(api.url);
+  const m = await scrape(api.metricsUrl);
   t.equal(m.get('gateway_requests{status="queued",mode="test"}'), 4, 'no worker: four queued');
   t.equal(m.get('gateway_requests{status="processing",mode="test"}'), 0);
   t.equal(m.get('gateway_waiters'), 1);
 
   // A worker-only process serves its own metrics.
-  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
+  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env: { METRICS_PORT: '0' } });
   t.equal((await waiting).status, 200);
   const { rows } = await api.pool.query('select id from gateway.requests');
   for (const row of rows) await waitForRow(api.db, row.id, isTerminal);
-  const workerMetrics = await scrape(worker.url);
+  const workerMetrics = await scrape(worker.metricsUrl);
   t.equal(workerMetrics.get('gateway_attempts_total{mode="test",outcome="succeeded",code="none"}'), 4);
   t.equal(workerMetrics.get('gateway_requests{status="queued",mode="test"}'), 0);
   t.equal((await send(worker.url, { path: '/v1/chat/completions', body: {} })).status, 404, 'a worker serves no API');
 });
 
-t.test('METRICS_TOKEN guards the metrics', async (t) => {
+t.test('without METRICS_PORT nor METRICS_TOKEN, no port serves /metrics; health stays on PORT', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
+  const all = await startTestGateway(t, { databaseUrl: api.databaseUrl });
+  for (const [name, gateway] of [['api', api], ['worker', worker], ['all', all]] as const) {
+    t.equal(gateway.metricsUrl, '', `--role ${name}: no metrics port`);
+    const metrics = await send(gateway.url, { path: '/metrics' });
+    t.equal(metrics.status, 404, `--role ${name}: no /metrics on PORT`);
+    t.equal(metrics.body.error.code, 'route_not_found');
+    t.equal((await send(gateway.url, { path: '/healthz' })).status, 200, `--role ${name}: /healthz on PORT`);
+    t.equal((await send(gateway.url, { path: '/readyz' })).status, 200, `--role ${name}: /readyz on PORT`);
+  }
+});
+
+t.test('METRICS_PORT serves /metrics apart from PORT, behind METRICS_TOKEN when it is set too', async (t) => {
+  const env = { METRICS_PORT: '0', METRICS_TOKEN: 'scrape-token-456' };
+  const api = await startTestGateway(t, { role: 'api', env });
+  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env });
+  for (const [name, gateway] of [['api', api], ['worker', worker]] as const) {
+    t.not(gateway.metricsUrl, gateway.url, `--role ${name}: a port of its own`);
+    t.equal((await send(gateway.url, { path: '/metrics', headers: { authorization: 'Bearer scrape-token-456' } })).status, 404, `--role ${name}: none on PORT`);
+    t.equal((await send(gateway.metricsUrl, { path: '/metrics' })).status, 401, `--role ${name}: the token is required`);
+    const right = await send(gateway.metricsUrl, { path: '/metrics', headers: { authorization: 'Bearer scrape-token-456' } });
+    t.equal(right.status, 200, `--role ${name}: served with the token`);
+    t.match(right.text, /# TYPE gateway_http_requests_total counter/);
+    t.equal((await send(gateway.metricsUrl, { path: '/healthz' })).status, 404, `--role ${name}: the metrics port serves metrics only`);
+  }
+  t.equal((await send(worker.url, { path: '/healthz' })).status, 200, 'the worker\'s health stays on PORT');
+});
+
+t.test('METRICS_TOKEN alone: PORT serves /metrics, and requires it', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api', env: { METRICS_TOKEN: 'scrape-token-123' } });
   const none = await send(gateway.url, { path: '/metrics' });
   t.equal(none.status, 401);
@@ -108,4 +143,36 @@ t.test('METRICS_TOKEN guards the metrics', async (t) => {
   t.equal(right.status, 200);
   t.match(right.headers.get('content-type'), /^text\/plain/);
   t.match(right.text, /# TYPE gateway_http_requests_total counter/);
+
+  // A worker-only process likewise, on its health port.
+  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: gateway.databaseUrl, env: { METRICS_TOKEN: 'scrape-token-123' } });
+  t.equal((await send(worker.url, { path: '/metrics' })).status, 401);
+  t.equal((await send(worker.url, { path: '/metrics', headers: { authorization: 'Bearer scrape-token-123' } })).status, 200);
+});
+
+t.test('the gauges read from the database are read once per few seconds, by one scrape at a time', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(api.url, await api.createKey());
+  // A pool of its own, to count the reads the scrapes make.
+  const pool = createPool(api.databaseUrl, { max: 10, applicationName: 'metrics-reads-test', logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  let reads = 0;
+  pool.on('acquire', () => reads++);
+  const metrics = new Metrics({ databaseGaugeTtlMs: 1_000 });
+  metrics.watchQueue(createDb(pool));
+  metrics.watchWebhooks(createDb(pool));
+
+  await client.post({ model: 'test-echo', messages: userMessage() });
+  const scrapes = await Promise.all(Array.from({ length: 20 }, () => metrics.render()));
+  t.equal(reads, 2, '20 scrapes at once: one read of each gauge');
+  t.ok(scrapes.every((text) => parse(text).get('gateway_requests{status="queued",mode="test"}') === 1), 'each saw the one queued request');
+
+  await client.post({ model: 'test-echo', messages: userMessage() });
+  for (let i = 0; i < 5; i++) await metrics.render();
+  t.equal(reads, 2, 'five more scrapes within the second: no read');
+  t.equal(parse(await metrics.render()).get('gateway_requests{status="queued",mode="test"}'), 1, 'the figure kept');
+
+  await new Promise((resolve) => setTimeout(resolve, 1_100));
+  t.equal(parse(await metrics.render()).get('gateway_requests{status="queued",mode="test"}'), 2, 'read again once it is old');
+  t.equal(reads, 4);
 });

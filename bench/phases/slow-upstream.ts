@@ -72,6 +72,7 @@ async function measure(ctx: PhaseContext, upstream: SlowUpstream): Promise<Phase
     // Every live model goes to that upstream, whatever UPSTREAMS_FILE the caller's environment names.
     UPSTREAMS_FILE: '',
     UPSTREAM_TIMEOUT_MS: String(upstreamDelayMs + TIMEOUT_MARGIN_MS),
+    // It also puts the worker's /metrics on its PORT (without it, no port serves them).
     METRICS_TOKEN: metricsToken,
   };
   const env = { databaseUrl: ctx.databaseUrl, secretEncryptionKey: ctx.run.secretEncryptionKey, settings };

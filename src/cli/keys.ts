@@ -1,7 +1,8 @@
-// gateway keys create | list | revoke
+// gateway keys create | list | revoke | reencrypt
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
-import { createKey, listKeys, revokeKey } from '../keys/service.ts';
+import { reencryptSecrets } from '../keys/reencryption.ts';
+import { createKey, listKeys, MissingEncryptionKeyError, revokeKey } from '../keys/service.ts';
 import { CommandError, table } from './output.ts';
 
 export async function createKeyCommand(
@@ -12,6 +13,7 @@ export async function createKeyCommand(
   const created = await createKey(db, encryptionKey, options);
   if (options.json) {
     return JSON.stringify({
+      id: created.id,
       project: created.project,
       mode: created.mode,
       api_key: created.api_key,
@@ -49,4 +51,29 @@ export async function revokeKeyCommand(db: Db, id: string, options: { json: bool
   if (!key) throw new CommandError(`No key with id ${id}.`);
   if (options.json) return JSON.stringify({ id: key.id, project: key.project, mode: key.mode, revoked_at: key.revoked_at });
   return `Revoked key ${key.id} (${key.mode}, project "${key.project}") at ${key.revoked_at?.toISOString()}.`;
+}
+
+/** Every stored secret under the first of SECRET_ENCRYPTION_KEYS (see keys/reencryption.ts). */
+export async function reencryptKeysCommand(db: Db, encryptionKeys: readonly Buffer[], options: { json: boolean }): Promise<string> {
+  if (encryptionKeys.length === 0) throw new MissingEncryptionKeyError();
+  const report = await reencryptSecrets(db, encryptionKeys);
+  const { signingSecrets: keys, webhookEndpoints: endpoints, undecryptable } = report;
+  const summary = options.json
+    ? JSON.stringify({
+        signing_secrets: keys,
+        webhook_endpoints: endpoints,
+        undecryptable,
+      })
+    : [
+        `Signing secrets: ${keys.reencrypted} re-encrypted with the first key, ${keys.current} already were.`,
+        `Webhook endpoints: ${endpoints.reencrypted} re-encrypted with the first key, ${endpoints.current} already were.`,
+      ].join('\n');
+  if (undecryptable.length > 0) {
+    // Nothing of them is changed; the others are done. The ids say which, never a secret.
+    throw new CommandError(
+      `${summary}\nNone of the ${encryptionKeys.length} keys decrypts the secrets of: ${undecryptable.join(', ')}. ` +
+        'Add the key they were stored with to SECRET_ENCRYPTION_KEYS and run this again.',
+    );
+  }
+  return summary;
 }

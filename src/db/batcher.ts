@@ -2,54 +2,87 @@
 // its own item's result, which exists only once the statement holding it has committed; but
 // items that arrive while earlier statements are under way share the next one: one round trip
 // and one commit for all of them. Under light load an item goes out alone and at once; under
-// heavy load the groups grow by themselves, with no timer adding latency.
+// heavy load the groups grow by themselves, with no timer adding latency. A group is bounded
+// in items and, when its owner says what an item weighs, in bytes: what one statement holds in
+// memory (its parameters, its rows) stays bounded however large the items are.
 import { isDatabaseUnavailable } from './pool.ts';
 
 interface Pending<Item, Result> {
   item: Item;
-  resolve(result: Result): void;
+  bytes: number;
+  resolve(result: Result | Promise<Result>): void;
   reject(error: unknown): void;
 }
 
-export interface BatcherOptions {
+export interface BatcherOptions<Item> {
   /** Statements under way at once (connections used). */
   maxInFlight: number;
   /** Items in one statement at most. */
   maxBatch: number;
+  /**
+   * Bytes in one statement at most, as `sizeOf` weighs the items: a group is cut before the
+   * item that would take it past `max` (an item heavier than that goes alone).
+   */
+  maxBytes?: { max: number; sizeOf: (item: Item) => number };
   /** Told the size of every group written. */
   onGroup?: (size: number) => void;
 }
 
+/** The byte budget of a group of large items (request bodies, results): 16 MiB. */
+export const GROUP_BYTES = 16 * 1024 * 1024;
+
+/** What `write` returns per item: its result, or a promise of it when it is found apart from its group's. */
+export type Written<Result> = Result | Promise<Result>;
+
 export class Batcher<Item, Result> {
-  readonly #write: (items: Item[]) => Promise<Result[]>;
-  readonly #options: BatcherOptions;
+  readonly #write: (items: Item[]) => Promise<Written<Result>[]>;
+  readonly #options: BatcherOptions<Item>;
   #pending: Pending<Item, Result>[] = [];
   #inFlight = 0;
   /** Statements written and items offered so far (items / statements = mean group size). */
   readonly stats = { statements: 0, items: 0 };
 
-  /** `write` gets the items of one group and returns one result per item, in order. */
-  constructor(write: (items: Item[]) => Promise<Result[]>, options: BatcherOptions) {
+  /**
+   * `write` gets the items of one group and returns one result per item, in order. The group's
+   * statement is over (and the next may start) once `write` resolves, even if some of its
+   * results are promises still pending.
+   */
+  constructor(write: (items: Item[]) => Promise<Written<Result>[]>, options: BatcherOptions<Item>) {
     this.#write = write;
     this.#options = options;
   }
 
   submit(item: Item): Promise<Result> {
     return new Promise((resolve, reject) => {
-      this.#pending.push({ item, resolve, reject });
+      const bytes = this.#options.maxBytes?.sizeOf(item) ?? 0;
+      this.#pending.push({ item, bytes, resolve, reject });
       this.#flush();
     });
   }
 
   #flush(): void {
     while (this.#inFlight < this.#options.maxInFlight && this.#pending.length > 0) {
-      const group = this.#pending.splice(0, this.#options.maxBatch);
+      const group = this.#pending.splice(0, this.#groupLength());
       this.#inFlight++;
       this.#run(group).finally(() => {
         this.#inFlight--;
         this.#flush();
       });
     }
+  }
+
+  /** How many of the pending items the next group takes. */
+  #groupLength(): number {
+    const { maxBatch, maxBytes } = this.#options;
+    if (!maxBytes) return maxBatch;
+    let length = 0;
+    let bytes = 0;
+    for (const pending of this.#pending) {
+      if (length === maxBatch || (length > 0 && bytes + pending.bytes > maxBytes.max)) break;
+      bytes += pending.bytes;
+      length++;
+    }
+    return length;
   }
 
   async #run(group: Pending<Item, Result>[]): Promise<void> {

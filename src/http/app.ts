@@ -1,7 +1,13 @@
 // createApp(deps): the whole HTTP API as a Koa app, built without listening so tests and
 // main.ts wire it the same way. Per route, the steps are:
 //   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
-// createOpsApp(deps): what a worker-only process serves: health and metrics.
+// createOpsApp(deps): what a worker-only process serves on PORT: health (and metrics, as below).
+// createMetricsApp(deps): GET /metrics alone, on METRICS_PORT.
+//
+// Where /metrics is: on METRICS_PORT when it is set; else on PORT (the API's, or a worker's
+// health port) only when METRICS_TOKEN is set, which it then requires; else nowhere. A scrape
+// reads the database (the queue gauges), so an open /metrics on the public port is not left to
+// anyone.
 import Router from '@koa/router';
 import Koa from 'koa';
 import type pg from 'pg';
@@ -11,10 +17,9 @@ import { methodNotAllowed, routeNotFound } from '../errors.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
-import { Batcher } from '../db/batcher.ts';
 import { errorSummary } from '../db/pool.ts';
 import { InsertBatcher } from '../requests/insert-batcher.ts';
-import { findRequests } from '../requests/repository.ts';
+import { createRequestReads } from '../requests/reads.ts';
 import type { Waiters } from '../requests/waiters.ts';
 import type { LaneRouter } from '../lanes/routing.ts';
 import type { Intake } from '../requests/intake.ts';
@@ -28,11 +33,14 @@ import { createCompletion } from './routes/completions.ts';
 import { healthz, metricsRoute, readyz } from './routes/ops.ts';
 import { cancelRequest, getRequest } from './routes/requests.ts';
 
-export interface OpsDeps {
+export interface MetricsDeps {
   config: Config;
-  pool: pg.Pool;
   metrics: Metrics;
   logger: Logger;
+}
+
+export interface OpsDeps extends MetricsDeps {
+  pool: pg.Pool;
 }
 
 export interface AppDeps extends OpsDeps {
@@ -53,7 +61,7 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
       maxInFlight: 2,
       onGroup: (size) => deps.metrics.insertGroupSize.observe(size),
     }),
-    reads: new Batcher((ids: string[]) => findRequests(deps.db, ids), { maxInFlight: 2, maxBatch: 500 }),
+    reads: createRequestReads(deps.db),
     waiters: deps.waiters,
     metrics: deps.metrics,
     config: deps.config,
@@ -62,7 +70,7 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
     onStored: deps.onStored,
   };
   const signed = verifyRequestSignature(deps.config, deps.keys);
-  const authenticated = authenticate(deps.db, deps.keys);
+  const authenticated = authenticate(deps.db, deps.keys, () => deps.metrics.unknownKeys.inc());
 
   router.post(
     '/v1/chat/completions',
@@ -78,12 +86,24 @@ export function createOpsApp(deps: OpsDeps): Koa<GatewayState> {
   return finish(app, router);
 }
 
+export function createMetricsApp(deps: MetricsDeps): Koa<GatewayState> {
+  const app = new Koa<GatewayState>();
+  const router = new Router<GatewayState>();
+  router.get('/metrics', metricsRoute(deps.metrics, deps.config.metricsToken));
+  app.use(answer(deps.logger, deps.metrics));
+  return finish(app, router);
+}
+
+/** Whether PORT serves /metrics (see the top of this file). */
+export const metricsOnMainPort = (config: Pick<Config, 'metricsPort' | 'metricsToken'>): boolean =>
+  config.metricsPort === undefined && config.metricsToken !== undefined;
+
 function opsApp(deps: OpsDeps) {
   const app = new Koa<GatewayState>();
   const router = new Router<GatewayState>();
   router.get('/healthz', healthz);
-  router.get('/readyz', readyz(deps.pool));
-  router.get('/metrics', metricsRoute(deps.metrics, deps.config.metricsToken));
+  router.get('/readyz', readyz(deps.pool, deps.logger));
+  if (metricsOnMainPort(deps.config)) router.get('/metrics', metricsRoute(deps.metrics, deps.config.metricsToken));
   app.use(answer(deps.logger, deps.metrics));
   return { app, router };
 }

@@ -4,8 +4,9 @@ import type { KeyCache } from '../keys/cache.ts';
 import { authenticate as authenticateKey } from '../keys/service.ts';
 import type { Step } from './context.ts';
 
-export function authenticate(db: Db, cache: KeyCache): Step {
+/** `onUnknown`: told of each well-formed key that is not there (unknown or revoked). */
+export function authenticate(db: Db, cache: KeyCache, onUnknown?: () => void): Step {
   return async (ctx) => {
-    ctx.state.auth = await authenticateKey(db, ctx.get('authorization') || undefined, cache);
+    ctx.state.auth = await authenticateKey(db, ctx.get('authorization') || undefined, cache, onUnknown);
   };
 }

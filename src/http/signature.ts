@@ -12,23 +12,25 @@ import type { Step } from './context.ts';
 const NO_BODY = Buffer.alloc(0);
 
 export function verifyRequestSignature(
-  config: Pick<Config, 'signatures' | 'secretEncryptionKey'>,
+  config: Pick<Config, 'signatures' | 'secretEncryptionKeys'>,
   cache: KeyCache,
 ): Step {
-  const encryptionKey = config.secretEncryptionKey;
-  if (!encryptionKey) throw new Error('SECRET_ENCRYPTION_KEY is required to verify request signatures');
+  const encryptionKeys = config.secretEncryptionKeys;
+  if (encryptionKeys.length === 0) throw new Error('SECRET_ENCRYPTION_KEY is required to verify request signatures');
   return (ctx) => {
-    const header = ctx.get('svc-signature');
-    if (header === '') {
+    // Absent and sent empty are told apart here (ctx.get() answers '' for both): an empty
+    // header is a signature, and a malformed one, whatever SIGNATURES says.
+    const header = ctx.headers['svc-signature'];
+    if (header === undefined) {
       if (config.signatures === 'required') {
         throw authenticationError('missing_signature', 'The request is not signed: send the Svc-Signature header.');
       }
     } else {
       const { auth } = ctx.state;
       const key = cache.signingKey(auth, () =>
-        signingKey(decryptSecret(auth.signingSecretCiphertext, auth.keyId, encryptionKey)),
+        signingKey(decryptSecret(auth.signingSecretCiphertext, auth.keyId, encryptionKeys)),
       );
-      ctx.state.signature = verifySignature(header, {
+      ctx.state.signature = verifySignature(Array.isArray(header) ? header.join(', ') : header, {
         method: ctx.method,
         path: ctx.originalUrl,
         body: ctx.state.body ?? NO_BODY,

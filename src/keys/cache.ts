@@ -4,11 +4,19 @@
 // down nothing is cached or served from the cache; and entries expire anyway after a minute.
 // Requests that miss the same key at the same time (a cold cache under load, an entry just
 // expired) share one read of it.
+//
+// Keys that are not there (unknown, revoked) are remembered too, for a few seconds, so that a
+// client repeating a wrong key, or a flood of one, costs one read per few seconds rather than
+// one per request. A key created meanwhile must work at once: its creation is announced on the
+// same channel (sql/000011.sql), and any announcement forgets every miss, and keeps a read
+// under way from remembering one.
 import type { KeyObject } from 'node:crypto';
 import type { Listener } from '../db/listener.ts';
 import type { Auth } from './service.ts';
 
 export const KEYS_CHANNEL = 'gateway_api_keys_changed';
+/** The payload's prefix for a key just created (sql/000011.sql); a bare key id: changed or deleted. */
+const CREATED = 'created:';
 
 interface Entry {
   auth: Auth;
@@ -20,22 +28,36 @@ interface Entry {
 export class KeyCache {
   readonly #byKeyId = new Map<string, Entry>();
   readonly #keyIdBySha = new Map<string, string>();
+  /** Key hashes (hex) read and not found, with when that stops counting; oldest first. */
+  readonly #misses = new Map<string, number>();
+  /** Counts announcements: a read that saw one while under way remembers no miss. */
+  #announcements = 0;
   readonly #listener: Listener;
   readonly #ttlMs: number;
   readonly #maxEntries: number;
+  readonly #missTtlMs: number;
+  readonly #maxMisses: number;
   /**
-   * Reads under way, by key hash (hex). An invalidation empties it: no later miss joins a read
-   * begun before it, and such a read is not cached (the NOTIFY may have come while it was under
-   * way), as it is no longer here when it ends.
+   * Reads under way, by key hash (hex), each with the announcements counted when it began. An
+   * invalidation empties it: no later miss joins a read begun before it, and such a read is not
+   * cached (the NOTIFY may have come while it was under way), as it is no longer here when it
+   * ends. After a creation, a miss joins no read begun before it either (that read may find no
+   * key where there is one now): it starts its own, which takes the older one's place.
    */
-  readonly #reading = new Map<string, Promise<Auth | undefined>>();
+  readonly #reading = new Map<string, { promise: Promise<Auth | undefined>; announcements: number }>();
 
-  constructor(listener: Listener, options: { ttlMs?: number; maxEntries?: number } = {}) {
+  constructor(
+    listener: Listener,
+    options: { ttlMs?: number; maxEntries?: number; missTtlMs?: number; maxMisses?: number } = {},
+  ) {
     this.#listener = listener;
     this.#ttlMs = options.ttlMs ?? 60_000;
     this.#maxEntries = options.maxEntries ?? 10_000;
+    this.#missTtlMs = options.missTtlMs ?? 5_000;
+    this.#maxMisses = options.maxMisses ?? 10_000;
     listener.subscribe(KEYS_CHANNEL, {
-      notification: (keyId) => this.forget(keyId),
+      // A creation can only turn a miss into a key: a read under way may still be cached.
+      notification: (payload) => (payload.startsWith(CREATED) ? this.#forgetMisses() : this.forget(payload)),
       lost: () => this.clear(),
       restored: () => this.clear(),
     });
@@ -45,13 +67,41 @@ export class KeyCache {
     return this.#byKeyId.size;
   }
 
+  /** How many key hashes are remembered as not found. */
+  get misses(): number {
+    return this.#misses.size;
+  }
+
+  /** true: this key hash was read and not found a moment ago (and nothing was announced since). */
+  missed(keySha256: Buffer): boolean {
+    if (!this.#listener.listening) return false;
+    const sha = keySha256.toString('hex');
+    const until = this.#misses.get(sha);
+    if (until === undefined) return false;
+    if (until < Date.now()) {
+      this.#misses.delete(sha);
+      return false;
+    }
+    return true;
+  }
+
+  #setMiss(sha: string): void {
+    if (!this.#listener.listening) return;
+    this.#misses.delete(sha);
+    if (this.#misses.size >= this.#maxMisses) {
+      const oldest = this.#misses.keys().next().value;
+      if (oldest !== undefined) this.#misses.delete(oldest);
+    }
+    this.#misses.set(sha, Date.now() + this.#missTtlMs);
+  }
+
   get(keySha256: Buffer): Auth | undefined {
     if (!this.#listener.listening) return undefined;
     const keyId = this.#keyIdBySha.get(keySha256.toString('hex'));
     const entry = keyId === undefined ? undefined : this.#byKeyId.get(keyId);
     if (!entry) return undefined;
     if (entry.expiresAt < Date.now()) {
-      this.forget(entry.auth.keyId);
+      this.#drop(entry);
       return undefined;
     }
     return entry.auth;
@@ -73,25 +123,29 @@ export class KeyCache {
   }
 
   /**
-   * The key read by `read` (undefined: no such key, or revoked) and cached, the one read shared
-   * by the callers that miss it until it is done. A caller that comes after an invalidation
-   * starts a read of its own: it must see the key as it is since then.
+   * The key read by `read` (undefined: no such key, or revoked) and cached (a miss briefly),
+   * the one read shared by the callers that miss it until it is done. A caller that comes after
+   * an invalidation starts a read of its own: it must see the key as it is since then.
    */
   read(keySha256: Buffer, read: () => Promise<Auth | undefined>): Promise<Auth | undefined> {
     if (!this.#listener.listening) return read();
     const sha = keySha256.toString('hex');
     const shared = this.#reading.get(sha);
-    if (shared) return shared;
-    const reading: Promise<Auth | undefined> = read()
+    if (shared && shared.announcements === this.#announcements) return shared.promise;
+    const reading = { announcements: this.#announcements } as { promise: Promise<Auth | undefined>; announcements: number };
+    reading.promise = read()
       .then((auth) => {
-        if (auth && this.#reading.get(sha) === reading) this.#set(keySha256, auth);
+        if (this.#reading.get(sha) === reading) {
+          if (auth) this.#set(keySha256, auth);
+          else if (reading.announcements === this.#announcements) this.#setMiss(sha);
+        }
         return auth;
       })
       .finally(() => {
         if (this.#reading.get(sha) === reading) this.#reading.delete(sha);
       });
     this.#reading.set(sha, reading);
-    return reading;
+    return reading.promise;
   }
 
   /** The key's HMAC signing key, decrypted and prepared once per cache entry. */
@@ -102,16 +156,28 @@ export class KeyCache {
     return entry.signingKey;
   }
 
+  /** A key was changed or deleted: forget it (and every miss, as a creation does). */
   forget(keyId: string): void {
     this.#reading.clear();
+    this.#forgetMisses();
     const entry = this.#byKeyId.get(keyId);
-    if (!entry) return;
-    this.#byKeyId.delete(keyId);
+    if (entry) this.#drop(entry);
+  }
+
+  #drop(entry: Entry): void {
+    this.#byKeyId.delete(entry.auth.keyId);
     this.#keyIdBySha.delete(entry.keySha256);
+  }
+
+  /** A key was created: it may be one that was missed, or one a read under way will miss. */
+  #forgetMisses(): void {
+    this.#announcements++;
+    this.#misses.clear();
   }
 
   clear(): void {
     this.#reading.clear();
+    this.#forgetMisses();
     this.#byKeyId.clear();
     this.#keyIdBySha.clear();
   }

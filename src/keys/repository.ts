@@ -61,6 +61,17 @@ export async function findKeyByHash(db: Db, keySha256: Buffer): Promise<KeyRecor
     .executeTakeFirst();
 }
 
+/** The newest active key's id and encrypted signing secret (a sample of how secrets are stored). */
+export async function findNewestSigningSecret(db: Db): Promise<{ id: string; signing_secret_ciphertext: Buffer } | undefined> {
+  return db
+    .selectFrom('api_keys')
+    .select(['id', 'signing_secret_ciphertext'])
+    .where('revoked_at', 'is', null)
+    .orderBy('created_at', 'desc')
+    .limit(1)
+    .executeTakeFirst();
+}
+
 export async function listKeys(db: Db, projectName?: string): Promise<KeyListing[]> {
   let query = db
     .selectFrom('api_keys')

@@ -1,6 +1,8 @@
 // How keys and signing secrets are kept: API keys only as SHA-256 (they are long random
-// strings, so a plain hash cannot be reversed by guessing), signing secrets encrypted with
-// AES-256-GCM under the server's SECRET_ENCRYPTION_KEY, bound to their key id.
+// strings, so a plain hash cannot be reversed by guessing), signing secrets (and webhook
+// endpoints' secrets) encrypted with AES-256-GCM under the server's encryption key, bound to
+// their owner's id. While keys are being rotated (SECRET_ENCRYPTION_KEYS), the first key
+// encrypts and any of them decrypts.
 import { createCipheriv, createDecipheriv, hash, randomBytes } from 'node:crypto';
 
 const FORMAT_VERSION = 1;
@@ -11,21 +13,39 @@ export function hashApiKey(apiKey: string): Buffer {
   return hash('sha256', apiKey, 'buffer');
 }
 
-/** version (1 byte) | iv (12) | GCM tag (16) | ciphertext; the key id is the associated data. */
-export function encryptSecret(secret: string, keyId: string, encryptionKey: Buffer): Buffer {
+/** version (1 byte) | iv (12) | GCM tag (16) | ciphertext; the owner's id is the associated data. */
+export function encryptSecret(secret: string, ownerId: string, encryptionKey: Buffer): Buffer {
   const iv = randomBytes(IV_BYTES);
   const cipher = createCipheriv('aes-256-gcm', encryptionKey, iv);
-  cipher.setAAD(Buffer.from(keyId, 'utf8'));
+  cipher.setAAD(Buffer.from(ownerId, 'utf8'));
   const ciphertext = Buffer.concat([cipher.update(secret, 'utf8'), cipher.final()]);
   return Buffer.concat([Buffer.of(FORMAT_VERSION), iv, cipher.getAuthTag(), ciphertext]);
 }
 
-export function decryptSecret(sealed: Buffer, keyId: string, encryptionKey: Buffer): string {
-  if (sealed[0] !== FORMAT_VERSION) throw new Error('unknown signing secret format');
+/**
+ * The secret, decrypted with the first of the keys that can (GCM's tag tells a wrong key
+ * apart); throws when none can.
+ */
+export function decryptSecret(sealed: Buffer, ownerId: string, keys: Buffer | readonly Buffer[]): string {
+  const candidates = Buffer.isBuffer(keys) ? [keys] : keys;
+  for (const key of candidates) {
+    const secret = decryptWith(sealed, ownerId, key);
+    if (secret !== undefined) return secret;
+  }
+  throw new Error(`the secret of ${ownerId} cannot be decrypted with ${candidates.length === 1 ? 'this key' : `any of these ${candidates.length} keys`}`);
+}
+
+/** The secret, or undefined when this is not the key it was encrypted with. */
+export function decryptWith(sealed: Buffer, ownerId: string, encryptionKey: Buffer): string | undefined {
+  if (sealed[0] !== FORMAT_VERSION) throw new Error('unknown secret format');
   const iv = sealed.subarray(1, 1 + IV_BYTES);
   const tag = sealed.subarray(1 + IV_BYTES, 1 + IV_BYTES + TAG_BYTES);
   const decipher = createDecipheriv('aes-256-gcm', encryptionKey, iv);
-  decipher.setAAD(Buffer.from(keyId, 'utf8'));
+  decipher.setAAD(Buffer.from(ownerId, 'utf8'));
   decipher.setAuthTag(tag);
-  return Buffer.concat([decipher.update(sealed.subarray(1 + IV_BYTES + TAG_BYTES)), decipher.final()]).toString('utf8');
+  try {
+    return Buffer.concat([decipher.update(sealed.subarray(1 + IV_BYTES + TAG_BYTES)), decipher.final()]).toString('utf8');
+  } catch {
+    return undefined;
+  }
 }

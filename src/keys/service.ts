@@ -6,7 +6,7 @@ import { authenticationError } from '../errors.ts';
 import { API_KEY, type KeyMode, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
 import type { KeyCache } from './cache.ts';
 import * as repository from './repository.ts';
-import { encryptSecret, hashApiKey } from './secrets.ts';
+import { decryptWith, encryptSecret, hashApiKey } from './secrets.ts';
 
 export type { KeyListing } from './repository.ts';
 
@@ -74,8 +74,16 @@ export const revokeKey = (db: Db, id: string) => repository.revokeKey(db, id);
 
 const BEARER = /^Bearer +(\S+) *$/i;
 
-/** The caller behind an Authorization header, or a 401 ApiError. */
-export async function authenticate(db: Db, authorization: string | undefined, cache?: KeyCache): Promise<Auth> {
+/**
+ * The caller behind an Authorization header, or a 401 ApiError. `onUnknown` hears of each
+ * well-formed key that is not there (unknown or revoked).
+ */
+export async function authenticate(
+  db: Db,
+  authorization: string | undefined,
+  cache?: KeyCache,
+  onUnknown?: () => void,
+): Promise<Auth> {
   if (authorization === undefined || authorization.trim() === '') {
     throw authenticationError(
       'missing_api_key',
@@ -88,9 +96,24 @@ export async function authenticate(db: Db, authorization: string | undefined, ca
   const cached = cache?.get(keySha256);
   if (cached) return cached;
   const read = () => readKey(db, keySha256);
-  const auth = await (cache ? cache.read(keySha256, read) : read());
-  if (auth === undefined) throw invalidApiKey();
+  const auth = cache?.missed(keySha256) ? undefined : await (cache ? cache.read(keySha256, read) : read());
+  if (auth === undefined) {
+    onUnknown?.();
+    throw invalidApiKey();
+  }
   return auth;
+}
+
+/**
+ * The id of a key whose signing secret none of these encryption keys decrypts, or undefined
+ * when they do. One secret is tried, the newest active key's: an API process started with the
+ * wrong keys would answer every signed request with a 500, so it checks before it starts.
+ */
+export async function signingSecretNotDecrypted(db: Db, encryptionKeys: readonly Buffer[]): Promise<string | undefined> {
+  const newest = await repository.findNewestSigningSecret(db);
+  if (newest === undefined) return undefined;
+  const decrypted = encryptionKeys.some((key) => decryptWith(newest.signing_secret_ciphertext, newest.id, key) !== undefined);
+  return decrypted ? undefined : newest.id;
 }
 
 /** The key with that hash, unless there is none or it is revoked. */

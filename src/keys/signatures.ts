@@ -20,10 +20,13 @@ export interface VerifiedSignature {
   nonce: string;
 }
 
-/** The string that is signed. */
-export function canonicalString(request: SignedRequest, timestamp: number, nonce: string): string {
+/**
+ * The string that is signed. `timestamp` is t exactly as the header carries it: a client that
+ * sends t=0179... signed those digits, leading zero and all.
+ */
+export function canonicalString(request: SignedRequest, timestamp: string, nonce: string): string {
   const bodySha256 = hash('sha256', request.body);
-  return ['v1', String(timestamp), nonce, request.method.toUpperCase(), request.path, bodySha256].join('\n');
+  return ['v1', timestamp, nonce, request.method.toUpperCase(), request.path, bodySha256].join('\n');
 }
 
 /** The HMAC key of a signing secret (its UTF-8 bytes); worth keeping: preparing it is costly. */
@@ -40,10 +43,11 @@ export function verifySignature(
   if (!match) {
     throw authenticationError('invalid_signature', 'The Svc-Signature header is malformed: expected t=<seconds>,n=<nonce>,v1=<hex>.');
   }
-  const timestamp = Number(match[1]);
+  const sentTimestamp = match[1]!;
+  const timestamp = Number(sentTimestamp);
   const nonce = match[2]!;
   const expected = createHmac('sha256', key)
-    .update(canonicalString(request, timestamp, nonce))
+    .update(canonicalString(request, sentTimestamp, nonce))
     .digest();
   if (!timingSafeEqual(expected, Buffer.from(match[3]!, 'hex'))) {
     throw authenticationError('invalid_signature', 'The request signature does not match.');

@@ -2,7 +2,8 @@
 // statement, so one commit and one add_jobs (whose NOTIFY takes a cluster-wide lock at commit)
 // serve the whole group. Each submission still waits for its own commit before it is
 // acknowledged. A nonce repeated within one group is a replay: only its first use is written.
-import { Batcher, writeFirsts } from '../db/batcher.ts';
+// A group holds GROUP_BYTES of request bodies at most (up to MAX_BODY_BYTES each).
+import { Batcher, GROUP_BYTES, writeFirsts } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
 import type { Nonce } from '../keys/repository.ts';
 import { insertRequests, type InsertResult, type NewRequest } from './repository.ts';
@@ -15,6 +16,8 @@ interface Item {
 export interface InsertBatcherOptions {
   maxInFlight?: number;
   maxBatch?: number;
+  /** Bytes of request bodies in one statement at most. */
+  maxBytes?: number;
   onGroup?: (size: number) => void;
 }
 
@@ -25,6 +28,7 @@ export class InsertBatcher {
     this.#batcher = new Batcher((items) => writeGroup(db, items), {
       maxInFlight: options.maxInFlight ?? 2,
       maxBatch: options.maxBatch ?? 500,
+      maxBytes: { max: options.maxBytes ?? GROUP_BYTES, sizeOf: (item) => Buffer.byteLength(item.request.body) },
       ...(options.onGroup ? { onGroup: options.onGroup } : {}),
     });
   }

@@ -23,7 +23,7 @@ export type { RequestRow } from './repository.ts';
 export interface RequestDeps {
   db: Db;
   inserts: InsertBatcher;
-  /** Reads requests by id, concurrent reads together (repository.findRequests). */
+  /** Reads requests by id, concurrent reads together (reads.ts). */
   reads: Batcher<string, RequestRow | undefined>;
   waiters: Waiters;
   metrics: Metrics;

@@ -5,8 +5,6 @@ import { Agent, request } from 'undici';
 import type { AttemptOutcome } from './outcome.ts';
 import { checkCompletion, failedWithStatus } from './outcome.ts';
 
-// A chat completion is a few kilobytes; anything this large is not one.
-const MAX_RESPONSE_BYTES = 16 * 1024 * 1024;
 // Idle connections kept for the next calls this long (a busy upstream reuses them at once).
 const KEEP_ALIVE_MS = 10_000;
 
@@ -22,8 +20,18 @@ export interface OpenAiOptions {
   apiKey: string | undefined;
 }
 
+export interface UpstreamClientOptions {
+  /**
+   * A 2xx answer larger than this is upstream_invalid_response, read no further
+   * (UPSTREAM_MAX_RESPONSE_BYTES): a chat completion is a few kilobytes, and every call in
+   * flight may hold this much at once.
+   */
+  maxResponseBytes: number;
+}
+
 /** The connections of a worker's calls: as many per upstream as calls in flight, kept alive between them. */
 export class UpstreamClient {
+  readonly #maxResponseBytes: number;
   readonly #agent = new Agent({
     connections: null,
     keepAliveTimeout: KEEP_ALIVE_MS,
@@ -31,6 +39,10 @@ export class UpstreamClient {
     headersTimeout: 0,
     bodyTimeout: 0,
   });
+
+  constructor(options: UpstreamClientOptions) {
+    this.#maxResponseBytes = options.maxResponseBytes;
+  }
 
   async call(options: OpenAiOptions, call: UpstreamCall): Promise<AttemptOutcome> {
     const headers: Record<string, string> = { 'content-type': 'application/json', accept: 'application/json' };
@@ -53,21 +65,24 @@ export class UpstreamClient {
       await response.body.dump({ limit: 64 * 1024 }).catch(() => {});
       return failedWithStatus(status, parseRetryAfter(header(response.headers['retry-after'])));
     }
+    const tooLarge: AttemptOutcome = {
+      ok: false,
+      code: 'upstream_invalid_response',
+      detail: `the 2xx body is larger than ${this.#maxResponseBytes} bytes`,
+      upstreamStatus: status,
+    };
+    if (Number(header(response.headers['content-length'])) > this.#maxResponseBytes) {
+      // Said so before a byte of it: not read at all (the connection is closed).
+      response.body.destroy();
+      return tooLarge;
+    }
     let text: string | undefined;
     try {
-      text = await readLimited(response.body);
+      text = await readLimited(response.body, this.#maxResponseBytes);
     } catch (error) {
       return connectionFailure(error, call.signal);
     }
-    if (text === undefined) {
-      return {
-        ok: false,
-        code: 'upstream_invalid_response',
-        detail: `the 2xx body is larger than ${MAX_RESPONSE_BYTES} bytes`,
-        upstreamStatus: status,
-      };
-    }
-    return checkCompletion(text, status);
+    return text === undefined ? tooLarge : checkCompletion(text, status);
   }
 
   /** Closes the connections; calls still in flight are ended. */
@@ -76,13 +91,14 @@ export class UpstreamClient {
   }
 }
 
-async function readLimited(body: NodeJS.ReadableStream & AsyncIterable<Buffer>): Promise<string | undefined> {
+/** The body as text; undefined as soon as it passes `maxBytes`. */
+async function readLimited(body: NodeJS.ReadableStream & AsyncIterable<Buffer>, maxBytes: number): Promise<string | undefined> {
   const chunks: Buffer[] = [];
   let size = 0;
   for await (const chunk of body) {
     size += chunk.byteLength;
     // Leaving the loop ends the stream, and with it the connection.
-    if (size > MAX_RESPONSE_BYTES) return undefined;
+    if (size > maxBytes) return undefined;
     chunks.push(chunk);
   }
   return Buffer.concat(chunks).toString('utf8');

@@ -9,7 +9,9 @@
 // Tries are owned by the process's worker id (the dispatcher's, kept alive by the supervisor's
 // heartbeat). If the process dies, its messages stay delivering until the supervisor's sweep
 // finds that id gone and hands them back (recoverLost); at shutdown, tries in flight get
-// SHUTDOWN_GRACE_MS, then are aborted and retried at once.
+// SHUTDOWN_GRACE_MS, then are aborted and retried at once. A try's end is recorded however long
+// the database stays unavailable, until the shutdown's grace is over: given up, its message
+// would be handed back by the sweep and delivered again.
 import { Agent, request } from 'undici';
 import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
@@ -32,7 +34,8 @@ import {
 
 export interface WebhookDelivererOptions {
   db: Db;
-  config: Pick<Config, 'webhooks' | 'secretEncryptionKey' | 'shutdownGraceMs'>;
+  /** secretEncryptionKeys (all the keys that decrypt, while they are rotated): secretEncryptionKey alone when absent. */
+  config: Pick<Config, 'webhooks' | 'secretEncryptionKey' | 'shutdownGraceMs'> & Partial<Pick<Config, 'secretEncryptionKeys'>>;
   /** The owner of this process's tries (webhook_messages.worker_id): the dispatcher's workerId. */
   workerId: string;
   metrics: Metrics;
@@ -61,7 +64,8 @@ const NO_KEY_RETRY_MS = 60_000;
 const MAX_ANSWER_BYTES = 64 * 1024;
 // Idle connections to an endpoint kept for its next tries this long.
 const KEEP_ALIVE_MS = 10_000;
-// How long a statement is retried while the database is unreachable.
+// How long a statement other than a try's end is retried while the database is unavailable
+// (the deliver_webhook job fails then, and graphile-worker runs it again later).
 const OUTAGE_PATIENCE_MS = 60_000;
 
 const ABORTED_BY_SHUTDOWN = 'shutdown';
@@ -106,6 +110,8 @@ export class WebhookDeliverer {
   /** Claims under way (each may start a try): counted against the capacity, awaited by stop(). */
   readonly #claims = new Set<Promise<unknown>>();
   #stopping = false;
+  /** Aborted once the shutdown's grace is over: tries' ends still unrecorded are given up. */
+  readonly #abandoning = new AbortController();
   #stopped: Promise<void> | undefined;
   #toldNoKey = false;
 
@@ -198,6 +204,7 @@ export class WebhookDeliverer {
     await Promise.race([all(), grace]);
     clearTimeout(timer);
     for (const inFlight of this.#tries.values()) inFlight.controller.abort(ABORTED_BY_SHUTDOWN);
+    this.#abandoning.abort();
     await all();
     await this.#agent.destroy();
   }
@@ -248,13 +255,14 @@ export class WebhookDeliverer {
     }
     const context = { messageId: message.id, endpointId: message.endpoint_id, try: message.tries, httpStatus: answer.httpStatus, durationMs };
     try {
-      const status = await this.#db(() => finishTry(this.#options.db, end));
+      const status = await this.#db(() => finishTry(this.#options.db, end), { untilAbandoned: true });
       if (answer.kind === 'delivered') this.#log.debug({ ...context, stale: !status }, 'webhook delivered');
       else if (answer.kind === 'gone') this.#log.warn({ ...context, stale: !status }, 'webhook endpoint answered 410 Gone: disabled');
       else this.#log.info({ ...context, error: end.error, retryInMs: end.retryInMs, status: status ?? 'stale' }, 'webhook try failed');
     } catch (error) {
-      // The database stayed out of reach: the message stays delivering under this worker's id,
-      // and is handed back by a sweep once this worker is gone.
+      // Given up at shutdown, or a failure no retry mends: the message stays delivering under
+      // this worker's id, and is handed back by a sweep once this worker is gone (as when the
+      // process is killed while retrying).
       this.#log.error({ ...context, err: errorSummary(error) }, 'could not record a webhook try');
     }
   }
@@ -264,7 +272,7 @@ export class WebhookDeliverer {
     try {
       secrets = [message.secret_ciphertext, message.previous_secret_ciphertext]
         .filter((sealed): sealed is Buffer => sealed !== null)
-        .map((sealed) => decryptSecret(sealed, message.endpoint_id, encryptionKey));
+        .map((sealed) => decryptSecret(sealed, message.endpoint_id, this.#options.config.secretEncryptionKeys ?? encryptionKey));
     } catch {
       return {
         kind: 'failed',
@@ -339,10 +347,15 @@ export class WebhookDeliverer {
     return `connection failed: ${code ?? 'unknown error'}`;
   }
 
-  #db<T>(statement: () => Promise<T>): Promise<T> {
+  /** Runs a statement, retrying while the database is unavailable: for OUTAGE_PATIENCE_MS, or `untilAbandoned`. */
+  #db<T>(statement: () => Promise<T>, options: { untilAbandoned?: boolean } = {}): Promise<T> {
     return whileUnavailable(statement, {
-      maxWaitMs: OUTAGE_PATIENCE_MS,
-      onRetry: (error, delayMs) => this.#log.warn({ err: errorSummary(error), delayMs }, 'database unreachable; retrying'),
+      ...(options.untilAbandoned ? { signal: this.#abandoning.signal } : { maxWaitMs: OUTAGE_PATIENCE_MS }),
+      onRetry: (error, delayMs, retries) => {
+        // Once per statement, then quietly: a long outage would otherwise log every try's end every 2 s.
+        if (retries === 1) this.#log.warn({ err: errorSummary(error), delayMs }, 'database unavailable; retrying');
+        else this.#log.debug({ err: errorSummary(error), delayMs, retries }, 'database unavailable; retrying');
+      },
     });
   }
 }

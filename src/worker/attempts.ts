@@ -4,10 +4,17 @@
 // upstream 429 also pauses the whole lane. The outcomes of attempts that end at about the same
 // time are written together (db/batcher.ts): one statement and one commit for all of them.
 // An attempt cut short by a shutdown after SHUTDOWN_GRACE_MS, or whose worker died (found by
-// the supervisor's sweep), is recorded as worker_lost and retried at once. Every statement rides
-// out a short database outage, so an answer already paid for is not thrown away.
+// the supervisor's sweep), is recorded as worker_lost and retried at once.
+//
+// An outcome is recorded however long the database stays unavailable (retried with backoff):
+// giving up would leave the attempt running, to be recovered as worker_lost and called again,
+// throwing away an answer already paid for. Only a shutdown past its grace gives up
+// (abandonRecordings). A recording given up, or cut short by the process being killed, leaves
+// its attempt running in the database: the supervisor's sweep, in another worker or in this one
+// started again, records it as worker_lost once this worker's heartbeat is gone, and its
+// request is retried.
 import type { Config } from '../config.ts';
-import { Batcher } from '../db/batcher.ts';
+import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
@@ -24,7 +31,7 @@ import { retryDelay } from './backoff.ts';
 
 export interface AttemptDeps {
   db: Db;
-  config: Pick<Config, 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs'>;
+  config: Pick<Config, 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs' | 'upstreamMaxResponseBytes'>;
   metrics: Metrics;
   logger: Logger;
   /** Called after a request reached completed or failed, to wake waiters in this process. */
@@ -61,26 +68,46 @@ export interface Attempts {
   run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded>;
   /** Records attempts whose worker died as worker_lost (and retries them, attempts left). */
   recover(lost: readonly LostAttempt[]): Promise<void>;
+  /**
+   * The shutdown's grace is over: outcomes still waiting for the database to record them are
+   * given up after their current try, and so are those that come after.
+   */
+  abandonRecordings(): void;
   /** Closes the upstream connections, once no call is in flight. */
   close(): Promise<void>;
 }
 
-// How long a statement is retried while the database is unreachable.
-const OUTAGE_PATIENCE_MS = 60_000;
+// How long recording a lost attempt is retried while the database is unavailable: the
+// supervisor's next sweeps find the attempt again if this one gives up.
+const RECOVERY_PATIENCE_MS = 60_000;
 // Finish statements under way at once (each holds a connection while it runs).
 const GROUP_STATEMENTS_IN_FLIGHT = 2;
 
+/** What a finish weighs in a group: its result, or its error detail. */
+const finishBytes = (finish: Finish) => Buffer.byteLength(finish.kind === 'completed' ? finish.result : finish.detail);
+
 export function createAttempts(deps: AttemptDeps): Attempts {
   const log = deps.logger.child({ component: 'worker' });
-  const upstreams = new UpstreamClient();
+  const upstreams = new UpstreamClient({ maxResponseBytes: deps.config.upstreamMaxResponseBytes });
   const finishes = new Batcher<Finish, boolean>((items) => repository.finishAttempts(deps.db, items), {
     maxInFlight: GROUP_STATEMENTS_IN_FLIGHT,
     maxBatch: 500,
+    maxBytes: { max: GROUP_BYTES, sizeOf: finishBytes },
   });
-  const record = (finish: Finish) =>
+  const abandoning = new AbortController();
+  /** Records a finish, retrying while the database is unavailable: until abandoned, or for `maxWaitMs`. */
+  const record = (finish: Finish, maxWaitMs?: number) =>
     whileUnavailable(() => finishes.submit(finish), {
-      maxWaitMs: OUTAGE_PATIENCE_MS,
-      onRetry: (error, delayMs) => log.warn({ err: errorSummary(error), delayMs }, 'database unreachable; retrying'),
+      ...(maxWaitMs === undefined ? {} : { maxWaitMs }),
+      signal: abandoning.signal,
+      onRetry: (error, delayMs, retries) => {
+        // Once per recording, then quietly: a long outage would otherwise log every finish every 2 s.
+        if (retries === 1) {
+          log.warn({ requestId: finish.id, err: errorSummary(error) }, 'database unavailable; retrying the recording until it is back');
+        } else {
+          log.debug({ requestId: finish.id, err: errorSummary(error), delayMs, retries }, 'database unavailable; retrying');
+        }
+      },
     });
 
   async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded> {
@@ -110,10 +137,10 @@ export function createAttempts(deps: AttemptDeps): Attempts {
         return done ? { status: 'completed', result: outcome.result } : { status: 'stale' };
       }
       const failure = { code: outcome.code, detail: outcome.detail, upstreamStatus: outcome.upstreamStatus, durationMs };
-      return await fail(started.id, started.attempt, failure, outcome.retryAfterMs);
+      return await fail(started.id, started.attempt, failure, { retryAfterMs: outcome.retryAfterMs });
     } catch (error) {
-      // The database stayed out of reach beyond OUTAGE_PATIENCE_MS: the attempt stays running in
-      // the database, and is recovered as worker_lost if this worker never comes back to it.
+      // Abandoned at shutdown, or a failure that no retry mends: the attempt stays running in the
+      // database, and the sweep recovers it as worker_lost.
       log.error({ requestId: started.id, err: errorSummary(error) }, 'could not record an attempt');
       return { status: 'stale' };
     }
@@ -133,17 +160,23 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     }
   }
 
-  async function fail(id: string, attempt: number, failure: AttemptFailure, retryAfterMs?: number): Promise<Recorded> {
+  async function fail(
+    id: string,
+    attempt: number,
+    failure: AttemptFailure,
+    options: { retryAfterMs?: number | undefined; patienceMs?: number } = {},
+  ): Promise<Recorded> {
+    const { retryAfterMs, patienceMs } = options;
     const retryable = ATTEMPT_ERRORS[failure.code as keyof typeof ATTEMPT_ERRORS]?.retryable ?? false;
     const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, attempt, retryAfterMs);
     // A 429 pauses the lane for its retry-after, or for the backoff when it sent none.
     const pauseMs = failure.code === 'upstream_rate_limited' ? (retryAfterMs ?? delayMs) : undefined;
     if (retryable && attempt < deps.config.maxAttempts) {
-      const scheduled = await record({ kind: 'retrying', id, attempt, delayMs, pauseMs, ...failure });
+      const scheduled = await record({ kind: 'retrying', id, attempt, delayMs, pauseMs, ...failure }, patienceMs);
       log.info({ requestId: id, attempt, code: failure.code, delayMs, stale: !scheduled }, 'attempt failed; retry scheduled');
       return { status: scheduled ? 'retrying' : 'stale' };
     }
-    const failed = await record({ kind: 'failed', id, attempt, pauseMs, ...failure });
+    const failed = await record({ kind: 'failed', id, attempt, pauseMs, ...failure }, patienceMs);
     if (failed) finished(id);
     log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
     return { status: failed ? 'failed' : 'stale' };
@@ -162,17 +195,23 @@ export function createAttempts(deps: AttemptDeps): Attempts {
   return {
     run,
     close: () => upstreams.close(),
+    abandonRecordings: () => abandoning.abort(),
     async recover(lost) {
       await Promise.all(
         lost.map(async ({ id, attempt, mode }) => {
           log.warn({ requestId: id, attempt }, 'attempt lost with its worker; recording it and retrying');
           deps.metrics.attempts.inc({ mode, outcome: 'failed', code: 'worker_lost' });
-          await fail(id, attempt, {
-            code: 'worker_lost',
-            detail: 'the worker running this attempt stopped before recording its outcome',
-            upstreamStatus: null,
-            durationMs: null,
-          });
+          await fail(
+            id,
+            attempt,
+            {
+              code: 'worker_lost',
+              detail: 'the worker running this attempt stopped before recording its outcome',
+              upstreamStatus: null,
+              durationMs: null,
+            },
+            { patienceMs: RECOVERY_PATIENCE_MS },
+          );
         }),
       );
     },

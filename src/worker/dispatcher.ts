@@ -143,7 +143,10 @@ export class Dispatcher {
     this.#run(lane);
   }
 
-  /** Takes no more; lets calls in flight finish for SHUTDOWN_GRACE_MS, then aborts the rest (worker_lost). */
+  /**
+   * Takes no more; lets calls in flight finish for SHUTDOWN_GRACE_MS, then aborts the rest
+   * (worker_lost) and gives up recordings still waiting for the database.
+   */
   async stop(): Promise<void> {
     this.#stopping = true;
     clearInterval(this.#polling);
@@ -154,6 +157,7 @@ export class Dispatcher {
     await Promise.race([all(), grace]);
     clearTimeout(timer);
     for (const call of this.#calls.values()) call.controller.abort(ABORTED_BY_SHUTDOWN);
+    this.#options.attempts.abandonRecordings();
     await all();
   }
 

@@ -20,6 +20,8 @@ interface Teardown {
 export interface TestGateway {
   /** Base URL of the API (undefined for role "worker"). */
   url: string;
+  /** Base URL of its METRICS_PORT server ('' unless METRICS_PORT is set: give '0' for a free port). */
+  metricsUrl: string;
   databaseUrl: string;
   config: Config;
   /** A pool of the test's own, for reading and arranging rows. */
@@ -89,6 +91,7 @@ export async function startTestGateway(
 
   return {
     url: gateway.url ?? '',
+    metricsUrl: gateway.metricsUrl,
     databaseUrl,
     config,
     pool,

@@ -8,7 +8,8 @@ export interface SignatureParts {
   /** Path and query as sent. */
   path: string;
   body?: string | Buffer;
-  timestamp?: number;
+  /** Unix seconds; a string is sent (and signed) as it is, e.g. with a leading zero. */
+  timestamp?: number | string;
   nonce?: string;
 }
 

@@ -1,13 +1,19 @@
 // The key cache and the LISTEN connection it and the waiters share: revocations reach every
-// API process, nothing is served from the cache while notifications could be missed, a lost
-// LISTEN connection costs no waiter its answer, and concurrent misses share one read.
+// API process, nothing is served from the cache while notifications could be missed (even when
+// the connection dies without a word), a lost LISTEN connection costs no waiter its answer, and
+// concurrent misses share one read.
 import t from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
-import { authenticate } from '../../src/keys/service.ts';
-import { hashApiKey } from '../../src/keys/secrets.ts';
+import { KeyCache } from '../../src/keys/cache.ts';
+import { newKeyId, newSigningSecret } from '../../src/ids.ts';
+import { ensureProject, insertApiKey, revokeKey } from '../../src/keys/repository.ts';
+import { authenticate, type CreatedKey } from '../../src/keys/service.ts';
+import { encryptSecret, hashApiKey } from '../../src/keys/secrets.ts';
 import { createLogger } from '../../src/logger.ts';
+import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
-import { clientFor, userMessage } from '../helpers/http.ts';
+import { clientFor, send, userMessage } from '../helpers/http.ts';
+import { startSilentProxy } from '../helpers/silent-proxy.ts';
 import { until } from '../helpers/wait.ts';
 
 async function killListener(gateway: TestGateway) {
@@ -61,6 +67,36 @@ t.test('losing the LISTEN connection empties the cache; caching comes back with 
   t.equal(gateway.keys!.size, 1, 'caching again once notifications flow');
 });
 
+t.test('a key revoked while the API\'s LISTEN connection is silent stops authenticating within 15 s, not after the cache\'s minute', async (t) => {
+  const databaseUrl = await createTestDatabase(t);
+  // The API reaches Postgres through a proxy that can silence its LISTEN connection (as a NAT
+  // that forgets the flow does); the revocation comes from another process, directly.
+  const proxy = await startSilentProxy(t, databaseUrl);
+  const api = await startTestGateway(t, { role: 'api', databaseUrl: proxy.url });
+  const admin = await startTestGateway(t, { role: 'api', databaseUrl });
+  const key = await api.createKey();
+  const client = clientFor(api.url, key);
+  // The key's creation is announced too, and forgets it if it comes after the first request.
+  await until(
+    async () => (await client.post({ model: 'm', messages: userMessage() })).status === 202 && api.keys!.size === 1,
+    'the key to be cached',
+  );
+
+  t.equal(proxy.blackHole('gateway-listen'), 1, 'the API\'s LISTEN connection goes silent');
+  const revokedAt = Date.now();
+  t.ok(await revokeKey(admin.db, key.id), 'revoked');
+  let status = 0;
+  await until(
+    async () => (status = (await client.post({ model: 'm', messages: userMessage() })).status) === 401,
+    () => `the revoked key to be refused (last answer ${status})`,
+    15_000,
+  );
+  t.comment(`refused ${Date.now() - revokedAt} ms after the revocation (the cache keeps a key for 60 s)`);
+  t.ok(api.logs.some((line) => line.includes('LISTEN connection found dead')), 'the log says the connection was found dead');
+  await until(() => api.logs.some((line) => line.includes('LISTEN connection restored')), 'the log to say it was restored');
+  t.equal((await client.post({ model: 'm', messages: userMessage() })).status, 401, 'and refused after it is restored');
+});
+
 t.test('a waiter gets its answer although the LISTEN connection died during its wait', async (t) => {
   const api = await startTestGateway(t, { role: 'api', env: { WAIT_TIMEOUT_MS: '10000' } });
   await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl });
@@ -98,8 +134,125 @@ t.test('requests that miss the same key at once share one read of it', async (t)
   cache.clear();
   const refused = Array.from({ length: 5 }, () => authenticate(db, `Bearer svc_test_${'0'.repeat(32)}`, cache));
   for (const attempt of refused) await t.rejects(attempt, { code: 'invalid_api_key' });
-  t.equal(acquired, 2, 'an unknown key is read once for the 5 requests too, and not cached');
-  t.equal(cache.size, 0);
+  t.equal(acquired, 2, 'an unknown key is read once for the 5 requests too');
+  t.equal(cache.size, 0, 'and is no entry of the cache');
+});
+
+t.test('an unknown key costs one read however often it comes, and a key created right after works at once', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { METRICS_PORT: '0' } });
+  const cache = gateway.keys!;
+  const pool = createPool(gateway.databaseUrl, { max: 10, applicationName: 'key-misses-test', logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  let acquired = 0;
+  pool.on('acquire', () => acquired++);
+  const db = createDb(pool);
+  let unknown = 0;
+
+  const apiKey = `svc_test_${'U'.repeat(40)}`;
+  const codes: string[] = [];
+  const attempt = () =>
+    authenticate(db, `Bearer ${apiKey}`, cache, () => unknown++).then(
+      () => codes.push('accepted'),
+      (error: { code: string }) => codes.push(error.code),
+    );
+  await Promise.all(Array.from({ length: 10 }, attempt));
+  for (let i = 0; i < 50; i++) await attempt();
+  t.same(new Set(codes), new Set(['invalid_api_key']), 'all refused');
+  t.equal(acquired, 1, '60 requests with one unknown key: one read');
+  t.equal(unknown, 60, 'each counted as unknown');
+  t.equal(cache.misses, 1);
+
+  // Over HTTP: refused, and counted in the metrics; then that very key is created (as `gateway
+  // keys create` does, with a key of our choosing). Its creation is announced and the miss
+  // forgotten as soon as the NOTIFY arrives, milliseconds after the commit (as a revocation
+  // takes effect), rather than the key being refused for the rest of the miss's 5 seconds.
+  const client = clientFor(gateway.url, apiKey);
+  for (let i = 0; i < 3; i++) t.equal((await client.post({ model: 'm', messages: userMessage() })).status, 401);
+  const metrics = await send(gateway.metricsUrl, { path: '/metrics' });
+  t.match(metrics.text, /^gateway_unknown_keys_total 3$/m, 'gateway_unknown_keys_total');
+  const created = await createKnownKey(gateway, apiKey);
+  const createdAt = performance.now();
+  let status = 0;
+  await until(
+    async () => (status = (await clientFor(gateway.url, created).post({ model: 'm', messages: userMessage() })).status) === 202,
+    () => `the key created after its miss to be accepted (last answer ${status})`,
+    500,
+  );
+  t.pass(`a key created right after its miss is accepted ${Math.round(performance.now() - createdAt)} ms after its creation`);
+  t.equal(cache.misses, 0, 'the miss is forgotten');
+});
+
+/** A key with the given API key (createKey draws one at random), stored as createKey stores one. */
+async function createKnownKey(gateway: TestGateway, apiKey: string): Promise<CreatedKey> {
+  const id = newKeyId();
+  const signingSecret = newSigningSecret();
+  const projectId = await ensureProject(gateway.db, 'test-project');
+  await insertApiKey(gateway.db, {
+    id,
+    project_id: projectId,
+    mode: 'test',
+    key_sha256: hashApiKey(apiKey),
+    key_hint: apiKey.slice(-4),
+    signing_secret_ciphertext: encryptSecret(signingSecret, id, gateway.config.secretEncryptionKey!),
+  });
+  return { id, project: 'test-project', mode: 'test', api_key: apiKey, signing_secret: signingSecret };
+}
+
+/** A stand-in for the LISTEN connection: announcements are made by hand. */
+function fakeListener() {
+  const handlers: { notification(payload: string): void }[] = [];
+  const listener = {
+    listening: true,
+    subscribe: (_channel: string, handler: { notification(payload: string): void }) => handlers.push(handler),
+    announce: (payload: string) => handlers.forEach((handler) => handler.notification(payload)),
+  };
+  return listener as typeof listener & ConstructorParameters<typeof KeyCache>[0];
+}
+
+t.test('a key created while it is being read is not remembered missing, and is read again by the next request', async (t) => {
+  const listener = fakeListener();
+  const cache = new KeyCache(listener);
+  const sha = hashApiKey(`svc_test_${'c'.repeat(32)}`);
+  const auth = { keyId: 'key_createdDuringTheRead000', projectId: '1', mode: 'test' as const, signingSecretCiphertext: Buffer.alloc(1) };
+  let finishMiss!: () => void;
+  const missing = cache.read(sha, () => new Promise((resolve) => (finishMiss = () => resolve(undefined))));
+  listener.announce(`created:${auth.keyId}`);
+  const after = cache.read(sha, async () => auth);
+  t.equal((await after)?.keyId, auth.keyId, 'a request after the creation does not share the read begun before it');
+  finishMiss();
+  t.equal(await missing, undefined);
+  t.notOk(cache.missed(sha), 'the older read\'s miss is not remembered');
+  t.equal(cache.get(sha)?.keyId, auth.keyId, 'the key is cached');
+
+  // A creation leaves a read of a key under way to be cached (it is no revocation).
+  const other = hashApiKey(`svc_test_${'d'.repeat(32)}`);
+  let finishRead!: () => void;
+  const reading = cache.read(other, () => new Promise((resolve) => (finishRead = () => resolve({ ...auth, keyId: 'key_readAcrossACreation0000' }))));
+  listener.announce('created:key_someOtherKeyCreated000');
+  finishRead();
+  await reading;
+  t.equal(cache.get(other)?.keyId, 'key_readAcrossACreation0000');
+});
+
+t.test('a miss is not remembered while notifications could be missed, nor past its few seconds', async (t) => {
+  const listener = fakeListener();
+  const cache = new KeyCache(listener, { missTtlMs: 100, maxMisses: 2 });
+  let reads = 0;
+  const read = async () => {
+    reads++;
+    return undefined;
+  };
+  const sha = (n: number) => hashApiKey(`svc_test_${String(n).repeat(32)}`);
+  for (const n of [1, 2, 3]) await cache.read(sha(n), read);
+  t.equal(cache.misses, 2, 'at most maxMisses remembered');
+  t.notOk(cache.missed(sha(1)), 'the oldest made room');
+  t.ok(cache.missed(sha(3)));
+  await new Promise((resolve) => setTimeout(resolve, 150));
+  t.notOk(cache.missed(sha(3)), 'forgotten after its time');
+  listener.listening = false;
+  await cache.read(sha(4), read);
+  t.notOk(cache.missed(sha(4)), 'nothing remembered without notifications');
+  t.equal(reads, 4);
 });
 
 t.test('a miss after an invalidation does not join a read begun before it', async (t) => {

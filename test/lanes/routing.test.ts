@@ -83,7 +83,7 @@ t.test('usage: stored per request, summed per day by usage_daily, counted in the
     status: 200,
     json: { ...completionFor(call.body), usage: { prompt_tokens: 11, completion_tokens: 7, total_tokens: 18 } },
   }));
-  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, METRICS_PORT: '0' } });
   const live = clientFor(gateway.url, await gateway.createKey({ project: 'usage', mode: 'live' }));
   const test = clientFor(gateway.url, await gateway.createKey({ project: 'usage', mode: 'test' }));
   for (let i = 0; i < 3; i++) t.equal((await live.post({ model: 'gpt-usage', messages: userMessage(), wait: true })).status, 200);
@@ -113,7 +113,7 @@ t.test('usage: stored per request, summed per day by usage_daily, counted in the
     { day: today, project: 'usage', mode: 'test', upstream: 'simulator', model: 'test-echo', requests: 1, prompt_tokens: usage.prompt_tokens, completion_tokens: usage.completion_tokens, total_tokens: usage.total_tokens },
   ]);
 
-  const metrics = (await send(gateway.url, { path: '/metrics' })).text;
+  const metrics = (await send(gateway.metricsUrl, { path: '/metrics' })).text;
   t.match(metrics, /gateway_tokens_total\{mode="live",upstream="default",model="\*",kind="prompt"\} 33\n/, 'prompt tokens by mode, upstream and model pattern');
   t.match(metrics, /gateway_tokens_total\{mode="live",upstream="default",model="\*",kind="completion"\} 21\n/);
   t.match(metrics, new RegExp(`gateway_tokens_total\\{mode="test",upstream="simulator",model="simulator",kind="prompt"\\} ${usage.prompt_tokens}\\n`));

@@ -86,3 +86,17 @@ t.test('the same signed request sent twice at once: one accepted, one refused as
   t.equal(answers.find((answer) => answer.status === 401)!.body.error.code, 'replayed_request');
   t.equal(await countRows(gateway.db, 'requests'), 1);
 });
+
+t.test('50 inserts of 1 MiB bodies at once are written in several statements of 16 MiB at most', async (t) => {
+  const { gateway, request } = await setup(t);
+  const groups: number[] = [];
+  const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1, onGroup: (size) => groups.push(size) });
+  const content = 'x'.repeat(1024 * 1024);
+  const requests = Array.from({ length: 50 }, (_, i) => request({ body: JSON.stringify({ model: 'm', messages: [{ role: 'user', content: `${i}${content}` }] }) }));
+  const results = await Promise.all(requests.map((r) => batcher.insert(r, undefined)));
+  t.ok(results.every((result, i) => result.kind === 'inserted' && result.answer.id === requests[i]!.id), 'every one inserted');
+  t.ok(groups.every((size) => size <= 15), `no statement holds more than 15 bodies of 1 MiB: ${groups.join(', ')}`);
+  t.ok(groups.length >= 4, `${groups.length} statements`);
+  const { rows } = await gateway.pool.query('select count(*)::int as count, min(octet_length(body::text))::int as bytes from gateway.requests');
+  t.same(rows[0], { count: 50, bytes: Buffer.byteLength(requests[0]!.body) }, 'every body stored whole');
+});

@@ -96,7 +96,7 @@ t.test('1,000 requests of a test-mode mix: each that ends gets exactly one verif
 });
 
 t.test('a receiver answering 500 three times then 200: four tries, spaced as the schedule says, then delivered', async (t) => {
-  const gateway = await startTestGateway(t, { env: WEBHOOK_SETTINGS });
+  const gateway = await startTestGateway(t, { env: { ...WEBHOOK_SETTINGS, METRICS_PORT: '0' } });
   const key = await gateway.createKey();
   const receiver = await startReceiver(t, (delivery) => (delivery.count <= 3 ? { status: 500 } : { status: 200 }));
   const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
@@ -116,7 +116,7 @@ t.test('a receiver answering 500 three times then 200: four tries, spaced as the
   t.equal(receiver.deliveries.length, 4);
   t.ok(receiver.deliveries.every((delivery) => delivery.headers['webhook-id'] === message!.id && delivery.verifiedWith.length === 1), 'each with the same webhook-id, each verified');
 
-  const metrics = (await send(gateway.url, { path: '/metrics' })).text;
+  const metrics = (await send(gateway.metricsUrl, { path: '/metrics' })).text;
   t.match(metrics, /^gateway_webhook_deliveries_total\{outcome="failed"\} 3$/m);
   t.match(metrics, /^gateway_webhook_deliveries_total\{outcome="succeeded"\} 1$/m);
   t.match(metrics, /^gateway_webhook_oldest_pending_seconds 0$/m);

@@ -1,8 +1,9 @@
 // Live mode against a real OpenAI-compatible server on loopback: each upstream answer ends in
 // the contract's state and attempt error code (CONTRACT.md section 1).
+import http from 'node:http';
 import t, { type Test } from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
-import { freePort } from '../helpers/ports.ts';
+import { freePort, listenOnLoopback } from '../helpers/ports.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
@@ -125,9 +126,62 @@ t.test('the upstream receives the stored body and the upstream key, never our ow
   t.notOk(gateway.logs.some((line) => line.includes('sk-upstream-test-key')), 'the upstream key is not logged');
 });
 
-t.test('a 2xx answer beyond 16 MiB: upstream_invalid_response, read no further', async (t) => {
-  const huge = `{"object":"chat.completion","id":"chatcmpl-1","choices":[],"padding":"${'x'.repeat(17 * 1024 * 1024)}"}`;
-  const { row, attempts } = await runAgainst(t, () => ({ status: 200, text: huge }), { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: '5000' });
+t.test('a 2xx answer of 20 MiB: upstream_invalid_response past UPSTREAM_MAX_RESPONSE_BYTES (2 MiB), read no further', async (t) => {
+  const total = 20 * 1024 * 1024;
+  const chunk = Buffer.alloc(256 * 1024, 'x');
+  let sent = 0;
+  let whole = false;
+  let answerClosed: () => void = () => {};
+  const closed = new Promise<void>((resolve) => (answerClosed = resolve));
+  // Sent a chunk at a time, as fast as the gateway reads it: it must stop reading (and close the
+  // connection) once past its limit, long before the end.
+  const upstream = http.createServer(async (request, response) => {
+    for await (const _ of request);
+    response.on('close', answerClosed);
+    response.writeHead(200, { 'content-type': 'application/json' });
+    response.write('{"object":"chat.completion","id":"chatcmpl-1","choices":[],"padding":"');
+    while (sent < total && !response.destroyed) {
+      if (!response.write(chunk)) await new Promise((drained) => response.once('drain', drained).once('close', drained));
+      sent += chunk.byteLength;
+      await new Promise((next) => setTimeout(next, 2));
+    }
+    if (!response.destroyed) {
+      whole = true;
+      response.end('"}');
+    }
+  });
+  const upstreamPort = await listenOnLoopback(t, upstream);
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${upstreamPort}/v1`, MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: '20000' },
+  });
+  t.equal(gateway.config.upstreamMaxResponseBytes, 2 * 1024 * 1024, 'the default limit');
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
+  const row = await waitForRow(gateway.db, accepted.body.id, isTerminal, 20_000);
+  const attempts = await attemptRows(gateway.db, row.id);
   t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });
-  t.match(attempts[0], { upstream_status: 200, error_detail: 'the 2xx body is larger than 16777216 bytes' });
+  t.match(attempts[0], { upstream_status: 200, error_detail: 'the 2xx body is larger than 2097152 bytes' });
+  await closed;
+  t.notOk(whole, `the gateway closed the connection after ${(sent / 1024 / 1024).toFixed(2)} MiB of 20 MiB`);
+  t.ok(sent < total / 2, 'long before the end');
+});
+
+t.test('a 2xx answer that says it is larger than the limit (content-length) is not read at all', async (t) => {
+  const huge = `{"object":"chat.completion","id":"chatcmpl-1","choices":[],"padding":"${'x'.repeat(3 * 1024 * 1024)}"}`;
+  const { row, attempts } = await runAgainst(
+    t,
+    () => ({ status: 200, text: huge, headers: { 'content-length': String(Buffer.byteLength(huge)) } }),
+    { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: '5000' },
+  );
+  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });
+  t.match(attempts[0], { upstream_status: 200, error_detail: 'the 2xx body is larger than 2097152 bytes' });
+});
+
+t.test('UPSTREAM_MAX_RESPONSE_BYTES sets the limit', async (t) => {
+  const text = JSON.stringify({ ...completionFor({ model: 'gpt-test', messages: userMessage() }), padding: 'x'.repeat(4000) });
+  const { row, attempts } = await runAgainst(t, () => ({ status: 200, text }), { MAX_ATTEMPTS: '1', UPSTREAM_MAX_RESPONSE_BYTES: '4096' });
+  t.match(row, { status: 'failed', last_error_code: 'upstream_invalid_response' });
+  t.match(attempts[0], { error_detail: 'the 2xx body is larger than 4096 bytes' });
+  const small = await runAgainst(t, () => ({ status: 200, text }), { MAX_ATTEMPTS: '1', UPSTREAM_MAX_RESPONSE_BYTES: '8192' });
+  t.match(small.row, { status: 'completed' }, 'and one within it completes');
 });

@@ -1,0 +1,86 @@
+// SQL of `gateway keys reencrypt`: the encrypted secrets read in batches along their primary
+// key, and written back only where they are still what was read (a compare-and-set), so that
+// the command can run beside the gateway, and twice, and never overwrite a newer secret.
+import { sql } from 'kysely';
+import type { Db } from '../db/pool.ts';
+
+export interface SealedSigningSecret {
+  id: string;
+  signing_secret_ciphertext: Buffer;
+}
+
+export interface SealedWebhookSecrets {
+  id: string;
+  secret_ciphertext: Buffer;
+  previous_secret_ciphertext: Buffer | null;
+}
+
+/** Up to `limit` keys' encrypted signing secrets, by id, after `afterId` (or by those ids). */
+export async function readSigningSecrets(
+  db: Db,
+  from: { afterId: string; limit: number } | { ids: string[] },
+): Promise<SealedSigningSecret[]> {
+  let query = db.selectFrom('api_keys').select(['id', 'signing_secret_ciphertext']).orderBy('id');
+  query = 'ids' in from ? query.where('id', 'in', from.ids) : query.where('id', '>', from.afterId).limit(from.limit);
+  return query.execute();
+}
+
+/** Writes each new ciphertext where the row still has the one read; returns the ids written. */
+export async function replaceSigningSecrets(
+  db: Db,
+  changes: { id: string; read: Buffer; sealed: Buffer }[],
+): Promise<Set<string>> {
+  if (changes.length === 0) return new Set();
+  const { rows } = await sql<{ id: string }>`
+    update gateway.api_keys as keys
+    set signing_secret_ciphertext = changes.sealed
+    from unnest(
+      ${changes.map((change) => change.id)}::text[],
+      ${changes.map((change) => change.read)}::bytea[],
+      ${changes.map((change) => change.sealed)}::bytea[]
+    ) as changes (id, read, sealed)
+    where keys.id = changes.id and keys.signing_secret_ciphertext = changes.read
+    returning keys.id
+  `.execute(db);
+  return new Set(rows.map((row) => row.id));
+}
+
+/** Up to `limit` webhook endpoints' encrypted secrets, by id, after `afterId` (or by those ids). */
+export async function readWebhookSecrets(
+  db: Db,
+  from: { afterId: string; limit: number } | { ids: string[] },
+): Promise<SealedWebhookSecrets[]> {
+  let query = db
+    .selectFrom('webhook_endpoints')
+    .select(['id', 'secret_ciphertext', 'previous_secret_ciphertext'])
+    .orderBy('id');
+  query = 'ids' in from ? query.where('id', 'in', from.ids) : query.where('id', '>', from.afterId).limit(from.limit);
+  return query.execute();
+}
+
+/**
+ * Writes each endpoint's new ciphertexts where it still has both that were read (a rotation
+ * meanwhile replaces them); returns the ids written.
+ */
+export async function replaceWebhookSecrets(
+  db: Db,
+  changes: { id: string; read: [Buffer, Buffer | null]; sealed: [Buffer, Buffer | null] }[],
+): Promise<Set<string>> {
+  if (changes.length === 0) return new Set();
+  const { rows } = await sql<{ id: string }>`
+    update gateway.webhook_endpoints as endpoints
+    set secret_ciphertext = changes.sealed, previous_secret_ciphertext = changes.sealed_previous
+    from unnest(
+      ${changes.map((change) => change.id)}::text[],
+      ${changes.map((change) => change.read[0])}::bytea[],
+      ${changes.map((change) => change.read[1])}::bytea[],
+      ${changes.map((change) => change.sealed[0])}::bytea[],
+      ${changes.map((change) => change.sealed[1])}::bytea[]
+    ) as changes (id, read, read_previous, sealed, sealed_previous)
+    where endpoints.id = changes.id
+      and endpoints.secret_ciphertext = changes.read
+      and endpoints.previous_secret_ciphertext is not distinct from changes.read_previous
+    returning endpoints.id
+  `.execute(db);
+  return new Set(rows.map((row) => row.id));
+}

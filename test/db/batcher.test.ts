@@ -1,0 +1,81 @@
+// The Batcher on its own (no database): groups bounded by count and by bytes, results that come
+// later than their group's, and one bad item not failing its neighbours.
+import t from 'tap';
+import { Batcher } from '../../src/db/batcher.ts';
+
+const MiB = 1024 * 1024;
+
+/** A write that records each group's items and holds it until released, so that the next ones queue. */
+function recordingWrite<Item>() {
+  const groups: Item[][] = [];
+  let release: () => void = () => {};
+  let held = new Promise<void>((resolve) => (release = resolve));
+  return {
+    groups,
+    release: () => {
+      release();
+      held = new Promise<void>((resolve) => (release = resolve));
+    },
+    write: async (items: Item[]) => {
+      groups.push(items);
+      if (groups.length === 1) await held;
+      return items.map(() => true);
+    },
+  };
+}
+
+t.test('groups are cut by bytes: none passes the budget, an item heavier than it goes alone', async (t) => {
+  const { groups, release, write } = recordingWrite<{ name: string; bytes: number }>();
+  const batcher = new Batcher(write, { maxInFlight: 1, maxBatch: 500, maxBytes: { max: 16 * MiB, sizeOf: (item) => item.bytes } });
+  const first = batcher.submit({ name: 'first', bytes: 1 });
+  // Queued behind the first group: 40 items of 3 MiB, one of 20 MiB, 10 more of 3 MiB.
+  const items = [
+    ...Array.from({ length: 40 }, (_, i) => ({ name: `a${i}`, bytes: 3 * MiB })),
+    { name: 'huge', bytes: 20 * MiB },
+    ...Array.from({ length: 10 }, (_, i) => ({ name: `b${i}`, bytes: 3 * MiB })),
+  ];
+  const rest = items.map((item) => batcher.submit(item));
+  release();
+  await Promise.all([first, ...rest]);
+  const sizes = groups.slice(1).map((group) => group.reduce((sum, item) => sum + item.bytes, 0));
+  t.ok(sizes.every((bytes, i) => bytes <= 16 * MiB || groups[i + 1]!.length === 1), `group bytes: ${sizes.map((b) => (b / MiB).toFixed(0)).join(', ')} MiB`);
+  t.same(groups.slice(1).map((group) => group.length), [5, 5, 5, 5, 5, 5, 5, 5, 1, 5, 5], '5 of 3 MiB fit in 16 MiB; the 20 MiB one alone');
+  t.same(groups.flat().map((item) => item.name), ['first', ...items.map((item) => item.name)], 'in the order submitted');
+});
+
+t.test('without a byte budget, groups are cut by count only', async (t) => {
+  const { groups, release, write } = recordingWrite<number>();
+  const batcher = new Batcher(write, { maxInFlight: 1, maxBatch: 100 });
+  const all = [batcher.submit(0), ...Array.from({ length: 250 }, (_, i) => batcher.submit(i + 1))];
+  release();
+  await Promise.all(all);
+  t.same(groups.map((group) => group.length), [1, 100, 100, 50]);
+});
+
+t.test("a result may come after its group's statement: the next group does not wait for it", async (t) => {
+  let later: (value: string) => void = () => {};
+  const batcher = new Batcher<string, string>(
+    async (items) => items.map((item) => (item === 'late' ? new Promise<string>((resolve) => (later = resolve)) : `${item}!`)),
+    { maxInFlight: 1, maxBatch: 10 },
+  );
+  const late = batcher.submit('late');
+  t.equal(await batcher.submit('next'), 'next!', 'the next group is written while the late result is pending');
+  later('late!');
+  t.equal(await late, 'late!');
+});
+
+t.test('one bad item fails alone: its neighbours are written again one by one', async (t) => {
+  const { release, write } = recordingWrite<number>();
+  const batcher = new Batcher<number, boolean>(
+    async (items) => {
+      if (items.includes(13)) throw new Error('bad item');
+      return write(items);
+    },
+    { maxInFlight: 1, maxBatch: 10 },
+  );
+  const first = batcher.submit(0);
+  const settled = Promise.allSettled([12, 13, 14].map((item) => batcher.submit(item)));
+  release();
+  await first;
+  t.same((await settled).map((result) => result.status), ['fulfilled', 'rejected', 'fulfilled']);
+});

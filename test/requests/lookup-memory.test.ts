@@ -1,0 +1,105 @@
+// Lookups of large results do not hold many of them at once: 1,000 completed requests with a
+// 4 MiB result each, looked up all at once through an API process, each answered with its whole
+// result, while the process's resident memory grows by far less than the 4 GB they make.
+import { readFileSync } from 'node:fs';
+import t from 'tap';
+import { newRequestId } from '../../src/ids.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { freePort } from '../helpers/ports.ts';
+import { spawnServe } from '../helpers/serve.ts';
+import { signature } from '../helpers/signing.ts';
+import { until } from '../helpers/wait.ts';
+
+const REQUESTS = 1_000;
+const RESULT_BYTES = 4 * 1024 * 1024;
+const MiB = 1024 * 1024;
+const GROWTH_BOUND = 1024 * MiB;
+
+/** The process's resident memory (VmRSS), in bytes. */
+function residentBytes(pid: number): number {
+  const match = /^VmRSS:\s+(\d+) kB$/m.exec(readFileSync(`/proc/${pid}/status`, 'utf8'));
+  return Number(match![1]) * 1024;
+}
+
+t.test(`${REQUESTS} lookups at once of 4 MiB results: each answered whole, the API's memory grows by less than 1 GB`, async (t) => {
+  const setup = await startTestGateway(t, { role: 'api' });
+  await setup.stop();
+  const key = await setup.createKey();
+
+  const ids = Array.from({ length: REQUESTS }, () => newRequestId());
+  const padding = RESULT_BYTES - 64;
+  const client = await setup.pool.connect();
+  try {
+    // Compressed by lz4 when stored (quicker than pglz): the rows take little room, and each is
+    // still 4 MiB of JSON text once read.
+    await client.query(`set default_toast_compression = 'lz4'`);
+    await client.query(
+      `insert into gateway.requests
+         (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, result, finished_at)
+       select ids.id, keys.project_id, keys.mode, keys.id, 'completed', 1, 'test-echo', '{}', sha256('{}'),
+              ('{"id":"chatcmpl-' || ids.n || '","object":"chat.completion","choices":[],"padding":"'
+               || repeat('x', $3) || '"}')::json,
+              now()
+       from unnest($1::text[]) with ordinality as ids(id, n), gateway.api_keys as keys
+       where keys.id = $2`,
+      [ids, key.id, padding],
+    );
+  } finally {
+    client.release();
+  }
+
+  const port = await freePort();
+  const serve = spawnServe(
+    t,
+    {
+      DATABASE_URL: setup.databaseUrl,
+      SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
+      PORT: String(port),
+      HOST: '127.0.0.1',
+      LOG_LEVEL: 'warn',
+    },
+    ['--role', 'api'],
+  );
+  const pid = serve.child.pid!;
+  const lookup = async (id: string, n: number) => {
+    const path = `/v1/requests/${id}`;
+    const response = await fetch(`http://127.0.0.1:${port}${path}`, {
+      headers: {
+        authorization: `Bearer ${key.api_key}`,
+        'svc-signature': signature({ secret: key.signing_secret, method: 'GET', path }),
+      },
+    });
+    const text = await response.text();
+    // Only a summary is kept: the test process does not hold the 4 GB either.
+    return {
+      status: response.status,
+      whole: text.length > RESULT_BYTES - 100 && text.includes(`"id":"${id}"`) && text.includes(`"id":"chatcmpl-${n}"`) && text.endsWith('"}}'),
+    };
+  };
+  await until(async () => (await lookup(ids[0]!, 1).catch(() => ({ status: 0 }))).status === 200, () => `the API process:\n${serve.output()}`, 15_000);
+
+  const baseline = residentBytes(pid);
+  let peak = baseline;
+  const sampler = setInterval(() => {
+    try {
+      peak = Math.max(peak, residentBytes(pid));
+    } catch {}
+  }, 20);
+  const started = performance.now();
+  const answers = await Promise.all(ids.map((id, i) => lookup(id, i + 1))).finally(() => clearInterval(sampler));
+  const seconds = (performance.now() - started) / 1000;
+  peak = Math.max(peak, residentBytes(pid));
+  t.comment(
+    `${REQUESTS} lookups in ${seconds.toFixed(1)} s; resident memory ${(baseline / MiB).toFixed(0)} MiB before, ` +
+      `${(peak / MiB).toFixed(0)} MiB at most: grew by ${((peak - baseline) / MiB).toFixed(0)} MiB`,
+  );
+
+  const statuses = new Map<number, number>();
+  for (const answer of answers) statuses.set(answer.status, (statuses.get(answer.status) ?? 0) + 1);
+  t.comment(`answers: ${JSON.stringify(Object.fromEntries(statuses))}`);
+  t.equal(answers.filter((answer) => answer.status === 200).length, REQUESTS, 'every lookup answered 200');
+  t.equal(answers.filter((answer) => answer.whole).length, REQUESTS, 'each with its own whole result');
+  t.ok(peak - baseline < GROWTH_BOUND, `resident memory grew by ${((peak - baseline) / MiB).toFixed(0)} MiB, under ${GROWTH_BOUND / MiB} MiB`);
+  t.equal(serve.child.exitCode, null, 'the API process is still running');
+  t.notMatch(serve.output(), /"level":(50|60)/, 'and logged no error');
+});
