@@ -9,7 +9,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { promisify } from 'node:util';
 import pg from 'pg';
 import { descendants } from './cpu.ts';
-import { freePort } from './ports.ts';
+import { freePort } from '../scripts/ports.ts';
 import { BENCH_APPLICATION_NAME } from './postgres.ts';
 
 const ROOT = path.resolve(import.meta.dirname, '..');

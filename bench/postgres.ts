@@ -7,7 +7,7 @@ import path from 'node:path';
 import pg from 'pg';
 import { startEmbeddedPostgres } from '../src/db/embedded.ts';
 import { createLogger } from '../src/logger.ts';
-import { freePort } from './ports.ts';
+import { freePort } from '../scripts/ports.ts';
 
 export const BENCH_APPLICATION_NAME = 'gateway-bench';
 

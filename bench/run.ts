@@ -1,6 +1,6 @@
 // `make bench`: starts this checkout's gateway as real processes against Postgres, offers it
-// signed load from a test key on loopback, and prints one table of figures beside the targets
-// of the performance issue, then how each was measured. BENCHMARKS.md explains every figure.
+// signed load from a test key on loopback, and prints one table of figures beside their targets,
+// then how each was measured. BENCHMARKS.md explains every figure.
 //
 // Each phase has a database of its own (cloned from a template migrated once), and its own
 // gateway processes, so no phase inherits another's backlog; all are dropped at the end.
@@ -32,7 +32,7 @@ const RUNNERS: Record<Phase, (ctx: PhaseContext) => Promise<PhaseResult>> = {
   'slow-upstream': slowUpstreamPhase,
 };
 
-// The order of the table: the performance issue's, then the slow upstream's.
+// The order of the table: the request path's phases, then the slow upstream's.
 const TABLE_ORDER: Phase[] = ['accept', 'end-to-end', 'wait', 'hold', 'lookup', 'ceiling', 'slow-upstream'];
 const RATIO_TARGET = 3;
 // Before each phase, up to this long for the machine to fall quiet (another test suite, the

@@ -12,7 +12,7 @@ import { migrate } from '../src/db/migrate.ts';
 import { createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
 import { urlForDatabase } from '../test/helpers/database.ts';
-import { freePort } from '../test/helpers/ports.ts';
+import { freePort } from './ports.ts';
 
 const config = loadConfig();
 const logger = createLogger({ logLevel: 'warn' }, process.stderr);

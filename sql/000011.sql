@@ -135,3 +135,41 @@ comment on column gateway.failing_webhook_endpoints.disabled_reason is 'Why it w
 comment on column gateway.failing_webhook_endpoints.last_failure_at is 'When its last failed try of the past day started.';
 comment on column gateway.failing_webhook_endpoints.last_failure_status is 'The HTTP status it answered then, if it answered.';
 comment on column gateway.failing_webhook_endpoints.last_failure_error is 'Why that try failed, in the gateway''s words.';
+
+-- Views leave ordering to the query that reads them: an order by inside a view sorts every
+-- read, even one that counts, filters or orders otherwise. The same views, without it.
+create or replace view gateway.request_counts as
+  select projects.name as project, requests.mode, requests.status, count(*) as requests,
+         min(requests.created_at) as oldest_created_at, max(requests.created_at) as newest_created_at
+  from gateway.requests
+  join gateway.projects on projects.id = requests.project_id
+  group by projects.name, requests.mode, requests.status;
+
+create or replace view gateway.waiting_requests as
+  select requests.id, projects.name as project, requests.mode, requests.status, requests.attempts,
+         requests.last_error_code, requests.model, requests.created_at,
+         date_trunc('second', now() - requests.created_at) as waiting_for, requests.next_attempt_at
+  from gateway.requests
+  join gateway.projects on projects.id = requests.project_id
+  where requests.finished_at is null;
+comment on view gateway.waiting_requests is
+  'Requests not finished yet (queued, processing, retrying): "order by created_at" for the oldest first.';
+
+create or replace view gateway.recent_errors as
+  select attempts.error_code, requests.mode, count(*) as failed_attempts,
+         count(distinct attempts.request_id) as requests, max(attempts.finished_at) as last_seen_at
+  from gateway.request_attempts as attempts
+  join gateway.requests on requests.id = attempts.request_id
+  -- (attempts of requests created in the last day: a primary-key range, however large the table)
+  where attempts.request_id >= gateway.request_id_floor(now() - interval '1 day')
+    and attempts.outcome = 'failed' and attempts.finished_at > now() - interval '1 hour'
+  group by attempts.error_code, requests.mode;
+
+create or replace view gateway.attempt_history as
+  select attempts.request_id, attempts.attempt_number, attempts.outcome, attempts.error_code,
+         attempts.upstream_status, attempts.duration_ms, attempts.started_at, attempts.finished_at,
+         attempts.worker_id, attempts.error_detail, requests.status as request_status
+  from gateway.request_attempts as attempts
+  join gateway.requests on requests.id = attempts.request_id;
+comment on view gateway.attempt_history is
+  'Every attempt of every request: select * from gateway.attempt_history where request_id = ''req_...'' order by attempt_number.';

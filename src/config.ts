@@ -6,9 +6,9 @@ import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream }
 
 /**
  * What one upstream call in flight costs a worker process in resident memory: its connection,
- * buffers, request and timer, and the garbage they make between collections (12 to 18 KB
- * measured with 11,000 to 14,000 calls in flight, make bench's slow-upstream phase;
- * BENCHMARKS.md). The default in-flight capacity is the memory budget divided by this.
+ * buffers, request and timer, and the garbage they make between collections: a round figure
+ * above what make bench's slow-upstream phase measures (BENCHMARKS.md). The default in-flight
+ * capacity is the memory budget divided by this.
  */
 export const MEMORY_PER_CALL_KB = 20;
 /** The longest a test-delay-<ms> model may ask for, whatever UPSTREAM_TIMEOUT_MS says. */

@@ -1,8 +1,7 @@
 // Imported first by cli.ts, before the rest of the program allocates. Busy allocation makes V8
-// grow its young generation up to semi-spaces sized from the machine's memory (128 MB of new
-// space seen here while 10,000 wait=true requests were taken in) and keep it: resident memory
-// that bought no measurable throughput (make bench: the API's CPU per accepted request was no
-// higher with this setting). With a growth factor of 1 the young generation stays at its
+// grow its young generation up to semi-spaces sized from the machine's memory, and keep it:
+// resident memory that buys no throughput (make bench shows the API's CPU per accepted request
+// unchanged by this setting). With a growth factor of 1 the young generation stays at its
 // initial size. Unlike --max-semi-space-size, which V8 reads only when it starts, this flag is
 // read each time the young generation could grow, so it works from here. A young-generation
 // flag on the command line or in NODE_OPTIONS wins.

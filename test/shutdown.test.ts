@@ -1,4 +1,4 @@
-// Graceful shutdown (issue 4): running attempts finish within SHUTDOWN_GRACE_MS, the rest are
+// Graceful shutdown: running attempts finish within SHUTDOWN_GRACE_MS, the rest are
 // handed back to be retried; the process exits 0. And requests too broken for the app still
 // get the contract's error shape.
 import { randomBytes } from 'node:crypto';

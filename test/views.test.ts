@@ -1,5 +1,5 @@
-// The psql views (sql/000005.sql, as 000007.sql left them) answer correctly against a populated
-// database, and every query of the README's "Inspecting with psql" section runs as written.
+// The psql views (request_counts, waiting_requests, recent_errors, attempt_history) answer
+// correctly against a populated database, and every query of the README's "Inspecting with psql" section runs as written.
 import { readFile } from 'node:fs/promises';
 import t from 'tap';
 import { newRequestId, requestIdFloor } from '../src/ids.ts';
@@ -38,7 +38,7 @@ t.test('the views', async (t) => {
   const query = async (text: string, values: unknown[] = []) => (await gateway.pool.query(text, values)).rows;
 
   t.same(
-    (await query('select project, mode, status, requests::int from gateway.request_counts')),
+    (await query('select project, mode, status, requests::int from gateway.request_counts order by project, mode, status')),
     [
       { project: 'alpha', mode: 'test', status: 'completed', requests: 2 },
       { project: 'alpha', mode: 'test', status: 'failed', requests: 2 },
@@ -47,13 +47,13 @@ t.test('the views', async (t) => {
     ],
   );
 
-  const waiting = await query('select * from gateway.waiting_requests');
+  const waiting = await query('select * from gateway.waiting_requests order by created_at');
   t.same(waiting.map((row) => row.id), [oldestWaiting.id, retrying.id], 'unfinished only, oldest first');
   t.match(waiting[1], { project: 'beta', status: 'retrying', attempts: 1, last_error_code: 'upstream_rate_limited' });
   t.ok(waiting[0].waiting_for.minutes >= 19, 'waiting_for is the time since acceptance');
 
   t.same(
-    (await query('select error_code, mode, failed_attempts::int, requests::int from gateway.recent_errors')),
+    (await query('select error_code, mode, failed_attempts::int, requests::int from gateway.recent_errors order by failed_attempts desc, error_code')),
     [
       { error_code: 'upstream_bad_request', mode: 'test', failed_attempts: 1, requests: 1 },
       { error_code: 'upstream_rate_limited', mode: 'live', failed_attempts: 1, requests: 1 },
@@ -62,7 +62,7 @@ t.test('the views', async (t) => {
     'the last hour only: the failure of two hours ago is not there',
   );
 
-  const history = await query('select * from gateway.attempt_history where request_id = $1', [completed.id]);
+  const history = await query('select * from gateway.attempt_history where request_id = $1 order by attempt_number', [completed.id]);
   t.match(history, [
     { attempt_number: 1, outcome: 'failed', error_code: 'upstream_server_error', request_status: 'completed' },
     { attempt_number: 2, outcome: 'succeeded', error_code: null, upstream_status: 200 },

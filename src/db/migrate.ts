@@ -90,12 +90,12 @@ const ADD_JOBS_SETTINGS = [
  * - enable_seqscan off. A generic plan made while the jobs table is small (a fresh database,
  *   or workers that keep up) clears the keys of locked jobs by a sequential scan of the whole
  *   table, and keeps doing so however long the queue grows, until autovacuum next analyzes the
- *   table: with 30,000 jobs queued it took 4 ms a call, half the time of a grouped accept. Each
- *   of the function's statements has an index to use, and with this setting its plans use it.
+ *   table: with a long queue, that scan costs more than the rest of a grouped accept. Each of
+ *   the function's statements has an index to use, and with this setting its plans use it.
  * - plan_cache_mode force_generic_plan. For a call with one or a few jobs (a wait=true request
- *   alone in its statement) Postgres judged a fresh plan cheaper, and planned the function's
- *   five statements at every call: about 0.6 ms of each. The generic plans, on indexes, serve
- *   every size.
+ *   alone in its statement) Postgres judges a fresh plan cheaper, and plans the function's five
+ *   statements at every call, which costs more than running them. The generic plans, on
+ *   indexes, serve every size.
  * Applied after every graphile-worker migration, which may replace the function (and so drop
  * the settings).
  */

@@ -64,10 +64,10 @@ const statementNames = new Map<string, string>();
  * and Postgres keeps it until the tables are next analyzed: by autovacuum, or never where it is
  * off. Made while they were nearly empty (a new database, the first seconds after start), that
  * plan joins a group of rows to a sequential scan of each table, however much the tables grow
- * (measured under load: a scan of 13,000 rows to update 2). Dropping a connection's plans now and
- * then has them made again with the tables as they are: once the tables have grown, the new
- * plans use the indexes, and keep doing so. It costs a round trip and a few plannings per
- * REPLAN_EVERY statements, where planning every statement would cost half a millisecond each.
+ * (thousands of rows read to update two). Dropping a connection's plans now and then has them
+ * made again with the tables as they are: once the tables have grown, the new plans use the
+ * indexes, and keep doing so. It costs a round trip and a few plannings per REPLAN_EVERY
+ * statements, where planning every statement would cost more than running most of them.
  * (graphile-worker's add_jobs, which plans its statements itself, is kept on its indexes by
  * settings on the function instead: db/migrate.ts.)
  */

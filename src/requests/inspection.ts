@@ -1,5 +1,5 @@
-// SQL for operators: listings and the views of sql/000005.sql (as 000007.sql left them), read
-// by `gateway requests` and `gateway stats` (and by psql users directly).
+// SQL for operators: listings and the views (request_counts, waiting_requests, recent_errors,
+// attempt_history), read by `gateway requests` and `gateway stats` (and by psql users directly).
 import { sql } from 'kysely';
 import type { RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
@@ -81,13 +81,13 @@ export async function findRequestDetail(db: Db, id: string) {
 export async function stats(db: Db) {
   const [counts, waiting, errors, pools] = await Promise.all([
     sql<{ project: string; mode: KeyMode; status: RequestStatus; requests: string }>`
-      select project, mode, status, requests from gateway.request_counts
+      select project, mode, status, requests from gateway.request_counts order by project, mode, status
     `.execute(db),
     sql<{ waiting: string; oldest_created_at: Date | null }>`
       select count(*) as waiting, min(created_at) as oldest_created_at from gateway.waiting_requests
     `.execute(db),
     sql<{ error_code: string; mode: KeyMode; failed_attempts: string; requests: string; last_seen_at: Date }>`
-      select * from gateway.recent_errors
+      select * from gateway.recent_errors order by failed_attempts desc, error_code
     `.execute(db),
     sql<{ id: string; kind: string; hostname: string; pid: number; started_at: Date; last_seen_at: Date }>`
       select id, case when id like 'pool-%' then 'pool' else 'worker' end as kind, hostname, pid, started_at, last_seen_at

@@ -19,7 +19,7 @@ import { until } from '../helpers/wait.ts';
 import { addTestEndpoint, endRequest, messagesOf, startReceiver, testDeliverer, triesOf } from '../webhooks/support.ts';
 
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
-// Longer than the minute a recording used to be retried for.
+// Longer than a minute: longer than the patience of the worker's other statements (OUTAGE_PATIENCE_MS).
 const OUTAGE_MS = 65_000;
 
 /** A gateway's database, a worker's pool on it through a proxy that can be cut, and a started live attempt. */

@@ -1,5 +1,7 @@
-// A loopback port nobody listens on right now, for the servers the benchmark starts (the
-// gateway's processes, an embedded Postgres) whose port it must know before they run.
+// A loopback port nobody listens on right now, for the servers whose port must be known before
+// they run: the test harness's and the benchmark's embedded Postgres, the gateway processes
+// they start, the fault suite's. Here, beside the project's own scripts, so that test/ and
+// bench/ share it without either importing the other.
 import { createServer } from 'node:net';
 
 export function freePort(): Promise<number> {
