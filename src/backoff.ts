@@ -1,7 +1,7 @@
 // The wait before trying something again that keeps failing (restarting a process or a pool,
 // reconnecting, retrying a statement): it doubles after each try, up to a ceiling, and starts
-// again from the floor once things work. No jitter: each user is one process, not a crowd of
-// clients. (The jittered delay between attempts of a request is worker/backoff.ts.)
+// again from the floor once things work. It has no jitter, unlike the delay between the
+// attempts of a request (worker/backoff.ts).
 export class Backoff {
   readonly #minMs: number;
   readonly #maxMs: number;
