@@ -7,6 +7,7 @@
 import type http from 'node:http';
 import cluster, { type Worker as ClusterChild } from 'node:cluster';
 import client from 'prom-client';
+import { Backoff } from './backoff.ts';
 import type { Config } from './config.ts';
 import { createDb, createPool, errorSummary } from './db/pool.ts';
 import { createMetricsApp } from './http/app.ts';
@@ -39,7 +40,7 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   const { config, logger, role } = options;
   const log = logger.child({ component: 'cluster' });
   let stopping = false;
-  let restartDelay = RESTART_MIN_MS;
+  const restartDelay = new Backoff(RESTART_MIN_MS, RESTART_MAX_MS);
   const env = { ...options.childEnv, DATABASE_URL: options.databaseUrl };
   let nextId = 0;
   const pending = new Map<number, { json: object[][]; left: number; done: (json: object[][]) => void }>();
@@ -65,11 +66,10 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   cluster.on('exit', (child, code, signal) => {
     if (stopping) return;
     log.error({ pid: child.process.pid, code, signal }, 'an API process exited; starting another');
-    setTimeout(fork, restartDelay);
-    restartDelay = Math.min(restartDelay * 2, RESTART_MAX_MS);
+    setTimeout(fork, restartDelay.next());
   });
   cluster.on('listening', () => {
-    restartDelay = RESTART_MIN_MS;
+    restartDelay.reset();
   });
 
   // The worker role, in this process; its HTTP (health, metrics) is the API processes'.

@@ -54,8 +54,6 @@ export function requestIdFloor(ms: number): string {
 export type KeyMode = 'live' | 'test';
 
 export const API_KEY = /^svc_(live|test)_[A-Za-z0-9]{32,}$/;
-export const SIGNING_SECRET = /^svc_sig_[A-Za-z0-9]{32,}$/;
-export const KEY_ID = /^key_[A-Za-z0-9]{20,40}$/;
 
 export const newApiKey = (mode: KeyMode) => `svc_${mode}_${randomBase62(40)}`;
 export const newSigningSecret = () => `svc_sig_${randomBase62(40)}`;

@@ -7,6 +7,7 @@ import {
   APIUserAbortError,
   GatewayError,
 } from './errors.ts';
+import type { APIRequest, RequestFunction, RequestOptions } from './request.ts';
 import { Chat } from './resources/chat.ts';
 import { Requests } from './resources/requests.ts';
 import { Webhooks } from './resources/webhooks.ts';
@@ -29,26 +30,6 @@ export interface GatewayOptions {
   /** Milliseconds each attempt may take, answer body included. Default 2 minutes. */
   timeout?: number | undefined;
 }
-
-/** The last argument of every call; each field overrides the client's setting for this call. */
-export interface RequestOptions {
-  /** Milliseconds each attempt may take. */
-  timeout?: number | undefined;
-  maxRetries?: number | undefined;
-  /** Aborts the call, including a wait between retries. */
-  signal?: AbortSignal | undefined;
-}
-
-/** One call to the API, as a resource describes it. */
-export interface APIRequest {
-  method: 'GET' | 'POST';
-  /** From the base URL, beginning with /v1/. */
-  path: string;
-  /** Sent as JSON. */
-  body?: unknown;
-}
-
-export type RequestFunction = <T>(request: APIRequest, options?: RequestOptions) => Promise<T>;
 
 export const DEFAULT_BASE_URL = 'http://localhost:8080';
 /** Comfortably above the server's default wait (WAIT_TIMEOUT_MS, 30 s), so wait=true answers arrive. */

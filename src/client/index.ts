@@ -13,8 +13,8 @@ export {
   DEFAULT_TIMEOUT_MS,
   type Fetch,
   type GatewayOptions,
-  type RequestOptions,
 } from './client.ts';
+export type { RequestOptions } from './request.ts';
 export { Chat, Completions } from './resources/chat.ts';
 export { Requests, type PollOptions } from './resources/requests.ts';
 export { Webhooks, type WebhookHeaders } from './resources/webhooks.ts';

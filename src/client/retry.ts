@@ -39,9 +39,18 @@ export function backoffMs(failures: number): number {
 export function retryAfterMs(headers: Headers, now = Date.now()): number | undefined {
   const milliseconds = headers.get('retry-after-ms');
   if (milliseconds !== null && /^\s*\d+(\.\d+)?\s*$/.test(milliseconds)) return Number(milliseconds);
-  const value = headers.get('retry-after');
-  if (value === null) return undefined;
-  if (/^\s*\d+(\.\d+)?\s*$/.test(value)) return Number(value) * 1000;
+  return parseRetryAfter(headers.get('retry-after'), now);
+}
+
+/**
+ * A `retry-after` value, in seconds or as an HTTP date, in whole milliseconds (0 for a date
+ * already past). Undefined when there is none, or it is blank, negative or unreadable. The
+ * gateway reads its upstreams' and webhook endpoints' answers with it too.
+ */
+export function parseRetryAfter(value: string | null, now = Date.now()): number | undefined {
+  if (value === null || value.trim() === '') return undefined;
+  const seconds = Number(value);
+  if (Number.isFinite(seconds)) return seconds >= 0 ? Math.round(seconds * 1000) : undefined;
   const date = Date.parse(value);
   return Number.isNaN(date) ? undefined : Math.max(0, date - now);
 }

@@ -57,9 +57,13 @@ export async function signRequest(input: SignRequestInput): Promise<RequestSigna
   return { header: `t=${timestamp},n=${nonce},v1=${signature}`, timestamp, nonce, signature };
 }
 
-/** The six lines that are signed, joined by \n (shown by debugging tools; signRequest uses it). */
+/**
+ * The six lines that are signed, joined by \n (shown by debugging tools; signRequest and the
+ * gateway's check use it). `timestamp` is t as the header carries it: the gateway passes the
+ * digits it received, so a t sent with a leading zero is checked against those very digits.
+ */
 export function stringToSign(parts: {
-  timestamp: number;
+  timestamp: number | string;
   nonce: string;
   method: string;
   path: string;

@@ -9,6 +9,7 @@
 // meanwhile every NOTIFY is missed. So the connection is asked a round trip regularly, and one
 // that does not answer in time is treated as lost.
 import pg from 'pg';
+import { Backoff } from '../backoff.ts';
 import type { Logger } from '../logger.ts';
 import { errorSummary } from './pool.ts';
 
@@ -46,7 +47,7 @@ export class Listener {
   #client: pg.Client | undefined;
   #listening = false;
   #closed = false;
-  #reconnectDelay = RECONNECT_MIN_MS;
+  readonly #reconnectDelay = new Backoff(RECONNECT_MIN_MS, RECONNECT_MAX_MS);
   #reconnectTimer: NodeJS.Timeout | undefined;
   #probeTimer: NodeJS.Timeout | undefined;
 
@@ -111,7 +112,7 @@ export class Listener {
     }
     this.#client = client;
     this.#listening = true;
-    this.#reconnectDelay = RECONNECT_MIN_MS;
+    this.#reconnectDelay.reset();
     this.#probeLater(client);
   }
 
@@ -143,8 +144,6 @@ export class Listener {
 
   #scheduleReconnect(): void {
     if (this.#closed) return;
-    const delay = this.#reconnectDelay;
-    this.#reconnectDelay = Math.min(this.#reconnectDelay * 2, RECONNECT_MAX_MS);
     this.#reconnectTimer = setTimeout(() => {
       this.#connect().then(
         () => {
@@ -157,7 +156,7 @@ export class Listener {
           this.#scheduleReconnect();
         },
       );
-    }, delay);
+    }, this.#reconnectDelay.next());
   }
 }
 

@@ -2,6 +2,7 @@
 // is tried again, with backoff, until it succeeds, the time allowed is over, or the caller
 // gives up.
 import { setTimeout as sleep } from 'node:timers/promises';
+import { Backoff } from '../backoff.ts';
 import { isDatabaseUnavailable } from './pool.ts';
 
 export interface RetryOptions {
@@ -18,10 +19,12 @@ export const MAX_RETRY_DELAY_MS = 2_000;
 
 export async function whileUnavailable<T>(run: () => Promise<T>, options: RetryOptions): Promise<T> {
   const deadline = Date.now() + (options.maxWaitMs ?? Infinity);
-  for (let delay = 100, retries = 1; ; delay = Math.min(delay * 2, MAX_RETRY_DELAY_MS), retries++) {
+  const backoff = new Backoff(100, MAX_RETRY_DELAY_MS);
+  for (let retries = 1; ; retries++) {
     try {
       return await run();
     } catch (error) {
+      const delay = backoff.next();
       if (!isDatabaseUnavailable(error) || Date.now() + delay > deadline || options.signal?.aborted) throw error;
       options.onRetry?.(error, delay, retries);
       await sleep(delay, undefined, options.signal ? { signal: options.signal } : {}).catch(() => {});

@@ -1,6 +1,6 @@
 // What the middleware chain leaves on ctx.state for the handlers.
 import type { ParameterizedContext } from 'koa';
-import type { Auth } from '../keys/service.ts';
+import type { Auth } from '../keys/auth.ts';
 import type { VerifiedSignature } from '../keys/signatures.ts';
 
 export interface GatewayState {

@@ -12,7 +12,7 @@
 // under way from remembering one.
 import type { KeyObject } from 'node:crypto';
 import type { Listener } from '../db/listener.ts';
-import type { Auth } from './service.ts';
+import type { Auth } from './auth.ts';
 
 export const KEYS_CHANNEL = 'gateway_api_keys_changed';
 /** The payload's prefix for a key just created (sql/000011.sql); a bare key id: changed or deleted. */

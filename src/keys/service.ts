@@ -4,19 +4,12 @@ import * as v from 'valibot';
 import type { Db } from '../db/pool.ts';
 import { authenticationError } from '../errors.ts';
 import { API_KEY, type KeyMode, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
+import type { Auth } from './auth.ts';
 import type { KeyCache } from './cache.ts';
 import * as repository from './repository.ts';
 import { decryptWith, encryptSecret, hashApiKey } from './secrets.ts';
 
 export type { KeyListing } from './repository.ts';
-
-/** Who is calling: established from the bearer key before anything else is looked at. */
-export interface Auth {
-  keyId: string;
-  projectId: string;
-  mode: KeyMode;
-  signingSecretCiphertext: Buffer;
-}
 
 export interface CreatedKey {
   id: string;

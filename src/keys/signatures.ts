@@ -3,6 +3,7 @@
 // over the six lines "v1", t, n, METHOD, path and query, SHA-256 hex of the body bytes, keyed
 // with the signing secret's UTF-8 bytes.
 import { createHmac, createSecretKey, hash, type KeyObject, timingSafeEqual } from 'node:crypto';
+import { stringToSign } from '../client/signing.ts';
 import { authenticationError } from '../errors.ts';
 
 export const SIGNATURE_WINDOW_SECONDS = 300;
@@ -18,15 +19,6 @@ export interface SignedRequest {
 export interface VerifiedSignature {
   timestamp: number;
   nonce: string;
-}
-
-/**
- * The string that is signed. `timestamp` is t exactly as the header carries it: a client that
- * sends t=0179... signed those digits, leading zero and all.
- */
-export function canonicalString(request: SignedRequest, timestamp: string, nonce: string): string {
-  const bodySha256 = hash('sha256', request.body);
-  return ['v1', timestamp, nonce, request.method.toUpperCase(), request.path, bodySha256].join('\n');
 }
 
 /** The HMAC key of a signing secret (its UTF-8 bytes); worth keeping: preparing it is costly. */
@@ -46,9 +38,15 @@ export function verifySignature(
   const sentTimestamp = match[1]!;
   const timestamp = Number(sentTimestamp);
   const nonce = match[2]!;
-  const expected = createHmac('sha256', key)
-    .update(canonicalString(request, sentTimestamp, nonce))
-    .digest();
+  // t is signed exactly as sent: a client that sends t=0179... signed those digits, leading zero and all.
+  const signed = stringToSign({
+    timestamp: sentTimestamp,
+    nonce,
+    method: request.method,
+    path: request.path,
+    bodySha256: hash('sha256', request.body),
+  });
+  const expected = createHmac('sha256', key).update(signed).digest();
   if (!timingSafeEqual(expected, Buffer.from(match[3]!, 'hex'))) {
     throw authenticationError('invalid_signature', 'The request signature does not match.');
   }

@@ -2,6 +2,7 @@
 // as many of its waiting requests as the lane's limits allow (worker/dispatcher.ts). Accepting a
 // request adds one in the same statement as the row; so does a retry, due when the retry is.
 import * as v from 'valibot';
+import { REQUEST_ID } from '../ids.ts';
 
 export const DISPATCH_LANE = 'dispatch_lane';
 
@@ -17,6 +18,6 @@ export type DispatchLanePayload = v.InferOutput<typeof DispatchLanePayload>;
 export const PROCESS_REQUEST = 'process_request';
 
 export const ProcessRequestPayload = v.object({
-  request_id: v.pipe(v.string(), v.regex(/^req_[A-Za-z0-9]{20,40}$/)),
+  request_id: v.pipe(v.string(), v.regex(REQUEST_ID)),
 });
 export type ProcessRequestPayload = v.InferOutput<typeof ProcessRequestPayload>;

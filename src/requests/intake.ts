@@ -6,7 +6,7 @@ import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { rateLimitExceeded, type ApiError } from '../errors.ts';
 import { randomBase62, type KeyMode } from '../ids.ts';
-import type { Auth } from '../keys/service.ts';
+import type { Auth } from '../keys/auth.ts';
 import type { Logger } from '../logger.ts';
 import * as repository from './intake-repository.ts';
 import type { IntakeKind } from './intake-repository.ts';

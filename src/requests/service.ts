@@ -7,7 +7,7 @@ import { idempotencyKeyReused, requestAlreadyFinished, requestNotFound } from '.
 import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce, insertNonce, type Nonce } from '../keys/repository.ts';
 import type { Batcher } from '../db/batcher.ts';
-import type { Auth } from '../keys/service.ts';
+import type { Auth } from '../keys/auth.ts';
 import type { Metrics } from '../metrics.ts';
 import { replayedRequest, type VerifiedSignature } from '../keys/signatures.ts';
 import type { LaneRouter, Routed } from '../lanes/routing.ts';

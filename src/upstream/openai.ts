@@ -2,6 +2,7 @@
 // undici's request API: thousands of calls stay in flight at once, and fetch (undici too, under
 // WHATWG streams and Response objects) cost twice the CPU and memory per call (BENCHMARKS.md).
 import { Agent, request } from 'undici';
+import { parseRetryAfter } from '../client/retry.ts';
 import type { AttemptOutcome } from './outcome.ts';
 import { checkCompletion, failedWithStatus } from './outcome.ts';
 
@@ -117,13 +118,4 @@ function connectionFailure(error: unknown, signal: AbortSignal): AttemptOutcome 
   const cause = error instanceof Error ? (error.cause as { code?: unknown } | undefined)?.code : undefined;
   const code = typeof cause === 'string' ? cause : typeof own === 'string' ? own : name || 'unknown error';
   return { ok: false, code: 'upstream_connection_error', detail: `connection failed: ${code}`, upstreamStatus: null };
-}
-
-/** retry-after in seconds or as an HTTP date, in milliseconds. */
-export function parseRetryAfter(value: string | null): number | undefined {
-  if (value === null || value.trim() === '') return undefined;
-  const seconds = Number(value);
-  if (Number.isFinite(seconds)) return seconds >= 0 ? Math.round(seconds * 1000) : undefined;
-  const date = Date.parse(value);
-  return Number.isNaN(date) ? undefined : Math.max(0, date - Date.now());
 }

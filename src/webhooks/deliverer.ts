@@ -13,6 +13,7 @@
 // the database stays unavailable, until the shutdown's grace is over: given up, its message
 // would be handed back by the sweep and delivered again.
 import { Agent, request } from 'undici';
+import { parseRetryAfter } from '../client/retry.ts';
 import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
@@ -21,7 +22,6 @@ import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { recordJson } from '../requests/record.ts';
-import { parseRetryAfter } from '../upstream/openai.ts';
 import { deliveryConnector, ForbiddenAddressError } from './address.ts';
 import {
   addDeliveryJob,

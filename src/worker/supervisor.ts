@@ -16,6 +16,7 @@ import { EventEmitter } from 'node:events';
 import { hostname } from 'node:os';
 import { sql } from 'kysely';
 import { run, type Runner, type WorkerEvents } from 'graphile-worker';
+import { Backoff } from '../backoff.ts';
 import type { Db } from '../db/pool.ts';
 import { errorSummary } from '../db/pool.ts';
 import { findLostAttempts } from '../requests/repository.ts';
@@ -46,7 +47,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
 
   let stopping = false;
   let current: { runner: Runner; poolId: string; startedAt: number } | undefined;
-  let restartDelay = RESTART_MIN_MS;
+  const restartDelay = new Backoff(RESTART_MIN_MS, RESTART_MAX_MS);
   let restartTimer: NodeJS.Timeout | undefined;
 
   const launch = async (): Promise<void> => {
@@ -78,7 +79,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
   /** The pool is going: stop vouching for it, and start another. */
   const retire = (runner: Runner, why: string, error?: unknown) => {
     if (stopping || current?.runner !== runner) return;
-    if (Date.now() - current.startedAt > HEALTHY_AFTER_MS) restartDelay = RESTART_MIN_MS;
+    if (Date.now() - current.startedAt > HEALTHY_AFTER_MS) restartDelay.reset();
     log.error({ poolId: current.poolId, err: error && errorSummary(error) }, `worker pool ${why}; starting a new one`);
     // Its heartbeat stops with this; its attempts under way may still record their outcomes
     // until it settles or its heartbeat is WORKER_DEAD_AFTER_MS old, when its jobs are released.
@@ -88,11 +89,10 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
 
   const scheduleRestart = () => {
     if (stopping) return;
-    const delay = restartDelay;
-    restartDelay = Math.min(restartDelay * 2, RESTART_MAX_MS);
+    const delay = restartDelay.next();
     restartTimer = setTimeout(() => {
       launch().catch((error: unknown) => {
-        log.warn({ err: errorSummary(error), retryInMs: restartDelay }, 'worker pool could not start');
+        log.warn({ err: errorSummary(error), retryInMs: restartDelay.upcoming }, 'worker pool could not start');
         scheduleRestart();
       });
     }, delay);

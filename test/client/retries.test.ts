@@ -9,6 +9,7 @@ import {
   RateLimitError,
   type GatewayOptions,
 } from '../../src/client/index.ts';
+import { parseRetryAfter, retryAfterMs } from '../../src/client/retry.ts';
 import {
   API_KEY,
   BASE_URL,
@@ -149,6 +150,22 @@ t.test('retry-after as an HTTP date, and retry-after-ms, are honoured', async (t
   await byMs.client.chat.completions.create(params);
   elapsed = performance.now() - started;
   t.ok(elapsed >= 680 && elapsed < 2000, `retry-after-ms wins: waited ${Math.round(elapsed)} ms`);
+});
+
+t.test('retry-after is read as seconds or an HTTP date, in whole milliseconds, by the client and the gateway alike', async (t) => {
+  const now = Date.parse('Wed, 21 Oct 2015 07:28:00 GMT');
+  t.equal(parseRetryAfter('2', now), 2_000);
+  t.equal(parseRetryAfter(' 1.5 ', now), 1_500, 'a fraction of a second, spaces around');
+  t.equal(parseRetryAfter('0.0004', now), 0, 'rounded to whole milliseconds');
+  t.equal(parseRetryAfter('Wed, 21 Oct 2015 07:28:03 GMT', now), 3_000, 'an HTTP date: the time until it');
+  t.equal(parseRetryAfter('Wed, 21 Oct 2015 07:27:00 GMT', now), 0, 'a date already past: no wait');
+  t.equal(parseRetryAfter('-1', now), undefined, 'a negative number is unreadable');
+  t.equal(parseRetryAfter('soon', now), undefined);
+  t.equal(parseRetryAfter('  ', now), undefined);
+  t.equal(parseRetryAfter(null, now), undefined);
+  t.equal(retryAfterMs(new Headers({ 'retry-after': '3' }), now), 3_000);
+  t.equal(retryAfterMs(new Headers({ 'retry-after-ms': '250.5', 'retry-after': '3' }), now), 250.5, 'retry-after-ms first');
+  t.equal(retryAfterMs(new Headers({ 'retry-after-ms': 'x', 'retry-after': '-1' }), now), undefined);
 });
 
 t.test('without retry-after the retries back off exponentially, with jitter', async (t) => {

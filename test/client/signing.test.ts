@@ -46,6 +46,11 @@ t.test('bytes and strings with the same content sign alike, over the six lines s
   const fromBytes = await signRequest({ ...parts, body: new TextEncoder().encode('{"a":"ü"}') });
   t.equal(fromBytes.signature, fromString.signature);
   t.equal(stringToSign({ timestamp: 7, nonce: 'x', method: 'get', path: '/v1/p', bodySha256: 'h' }), 'v1\n7\nx\nGET\n/v1/p\nh');
+  t.equal(
+    stringToSign({ timestamp: '07', nonce: 'x', method: 'get', path: '/v1/p', bodySha256: 'h' }),
+    'v1\n07\nx\nGET\n/v1/p\nh',
+    't given as the digits sent is signed as those digits',
+  );
 });
 
 t.test('a default signature carries the current time and a fresh nonce of 16 to 64 [A-Za-z0-9_-]', async (t) => {

@@ -9,7 +9,7 @@ import t, { type Test } from 'tap';
 import { createDb, createPool, type Db } from '../../src/db/pool.ts';
 import { ApiError } from '../../src/errors.ts';
 import { newRequestId, randomBase62, type KeyMode } from '../../src/ids.ts';
-import type { Auth } from '../../src/keys/service.ts';
+import type { Auth } from '../../src/keys/auth.ts';
 import { createLogger } from '../../src/logger.ts';
 import { IntakeLimits, intakeLimitsFor, type IntakeConfig, type IntakeLimit } from '../../src/requests/intake.ts';
 import { createTestDatabase } from '../helpers/database.ts';

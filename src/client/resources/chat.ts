@@ -1,5 +1,5 @@
 // client.chat.completions: POST /v1/chat/completions (CONTRACT.md section 2).
-import type { RequestFunction, RequestOptions } from '../client.ts';
+import type { RequestFunction, RequestOptions } from '../request.ts';
 import type { ChatCompletionCreateParams, ChatCompletionCreateResult } from '../types.ts';
 
 export class Chat {

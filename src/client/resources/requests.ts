@@ -1,6 +1,6 @@
 // client.requests: GET /v1/requests/{id} (CONTRACT.md section 3), polling it to the end, and
 // POST /v1/requests/{id}/cancel (section 12).
-import type { RequestFunction, RequestOptions } from '../client.ts';
+import type { RequestFunction, RequestOptions } from '../request.ts';
 import { sleep } from '../retry.ts';
 import type { CancelledRequestRecord, RequestRecord, TerminalRequestRecord } from '../types.ts';
 

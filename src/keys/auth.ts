@@ -1,0 +1,9 @@
+import type { KeyMode } from '../ids.ts';
+
+/** Who is calling: established from the bearer key before anything else is looked at. */
+export interface Auth {
+  keyId: string;
+  projectId: string;
+  mode: KeyMode;
+  signingSecretCiphertext: Buffer;
+}
