@@ -1,12 +1,13 @@
 // Prometheus metrics (prom-client), one registry per gateway. Labels are routes, methods,
 // statuses, modes, outcomes and error codes: never a key, id, project or message.
 import client from 'prom-client';
-import { sql } from 'kysely';
 import type pg from 'pg';
 import type { Db } from './db/pool.ts';
+import { countUnfinishedByStatus } from './requests/inspection.ts';
 import { SIMULATOR } from './upstream/upstreams.ts';
 import type { Waiters } from './requests/waiters.ts';
 import type { Usage } from './upstream/outcome.ts';
+import { oldestUnfinishedMessageAge } from './webhooks/repository.ts';
 
 const PREFIX = 'gateway_';
 
@@ -165,14 +166,7 @@ export class Metrics {
    * aggregate it with max, not sum.
    */
   watchQueue(db: Db): void {
-    const read = sharedRead(async () => {
-      const { rows } = await sql<{ status: string; mode: string; count: string }>`
-        select status, mode, count(*) as count from gateway.requests
-        where finished_at is null
-        group by status, mode
-      `.execute(db);
-      return rows;
-    }, this.#databaseGaugeTtlMs);
+    const read = sharedRead(() => countUnfinishedByStatus(db), this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}requests`,
       help: 'Requests not finished yet (the queue), by status and mode, as the database has them.',
@@ -186,7 +180,7 @@ export class Metrics {
         for (const status of ['queued', 'processing', 'retrying']) {
           for (const mode of ['live', 'test']) {
             const row = rows.find((r) => r.status === status && r.mode === mode);
-            this.set({ status, mode }, Number(row?.count ?? 0));
+            this.set({ status, mode }, row?.count ?? 0);
           }
         }
       },
@@ -199,14 +193,7 @@ export class Metrics {
    * in every process: aggregate it with max.
    */
   watchWebhooks(db: Db): void {
-    const read = sharedRead(async () => {
-      // (the partial index webhook_messages_unfinished answers it at once)
-      const { rows } = await sql<{ age: number | null }>`
-        select extract(epoch from now() - min(created_at))::float8 as age
-        from gateway.webhook_messages where finished_at is null
-      `.execute(db);
-      return rows[0]?.age ?? 0;
-    }, this.#databaseGaugeTtlMs);
+    const read = sharedRead(() => oldestUnfinishedMessageAge(db), this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}webhook_oldest_pending_seconds`,
       help: 'Age of the oldest webhook message not yet delivered (nor given up), as the database has it; 0 when there is none.',

@@ -17,6 +17,7 @@ export interface Database {
   request_attempts: RequestAttemptsTable;
   signature_nonces: SignatureNoncesTable;
   worker_pools: WorkerPoolsTable;
+  retention_cursors: RetentionCursorsTable;
   lanes: LanesTable;
   intake_counters: IntakeCountersTable;
   webhook_endpoints: WebhookEndpointsTable;
@@ -98,6 +99,12 @@ export interface WorkerPoolsTable {
   pid: number;
   started_at: CreatedAt;
   last_seen_at: Timestamp;
+}
+
+export interface RetentionCursorsTable {
+  /** The retention task: drop_bodies. */
+  task: string;
+  last_request_id: string;
 }
 
 export interface LanesTable {

@@ -6,7 +6,7 @@
 import { Batcher, GROUP_BYTES, writeFirsts } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
 import type { Nonce } from '../keys/repository.ts';
-import { insertRequests, type InsertResult, type NewRequest } from './repository.ts';
+import { insertRequests, type InsertResult, type NewRequest } from './insert-repository.ts';
 
 interface Item {
   request: NewRequest;

@@ -1,7 +1,8 @@
 // SQL for operators: listings and the views (request_counts, waiting_requests, recent_errors,
-// attempt_history), read by `gateway requests` and `gateway stats` (and by psql users directly).
-import { sql } from 'kysely';
-import type { RequestStatus } from '../db/database.ts';
+// attempt_history), read by `gateway requests` and `gateway stats` (and by psql users
+// directly), and the queue that the metrics show (metrics.ts).
+import { sql, type Selectable } from 'kysely';
+import type { RequestsTable, RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 
@@ -107,6 +108,18 @@ export async function stats(db: Db) {
     })),
     worker_pools: pools.rows,
   };
+}
+
+/** Requests not finished yet, counted by status and mode (only the statuses and modes that have some). */
+export async function countUnfinishedByStatus(
+  db: Db,
+): Promise<(Pick<Selectable<RequestsTable>, 'status' | 'mode'> & { count: number })[]> {
+  const { rows } = await sql<Pick<Selectable<RequestsTable>, 'status' | 'mode'> & { count: string }>`
+    select status, mode, count(*) as count from gateway.requests
+    where finished_at is null
+    group by status, mode
+  `.execute(db);
+  return rows.map((row) => ({ ...row, count: Number(row.count) }));
 }
 
 export interface UsageRow {

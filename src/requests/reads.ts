@@ -6,7 +6,7 @@
 // those on their way to their callers.
 import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
-import { findRequests, findResults, type RequestRow } from './repository.ts';
+import { findRequests, findResults, type RequestRow } from './read-repository.ts';
 
 export interface RequestReadsOptions {
   /** Read statements under way at once, for each kind (groups of requests, large results). */

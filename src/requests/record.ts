@@ -1,15 +1,12 @@
 // The request record of CONTRACT.md section 3, as JSON text: what a lookup, a cancel and a
 // webhook's data carry. The result is stored JSON text, spliced in as it is (only when
 // completed), not parsed and written out again.
-import type { RequestStatus } from '../db/database.ts';
+import type { Selectable } from 'kysely';
+import type { RequestsTable } from '../db/database.ts';
 
-export interface RecordRow {
-  id: string;
-  status: RequestStatus;
-  attempts: number;
-  created_at: Date;
-  updated_at: Date;
-  last_error_code: string | null;
+/** The columns of gateway.requests that the record shows, its result read as text (result::text). */
+export interface RecordRow
+  extends Pick<Selectable<RequestsTable>, 'id' | 'status' | 'attempts' | 'created_at' | 'updated_at' | 'last_error_code'> {
   /** Verbatim JSON text; null unless completed. */
   result: string | null;
 }

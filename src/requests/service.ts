@@ -13,12 +13,13 @@ import { replayedRequest, type VerifiedSignature } from '../keys/signatures.ts';
 import type { LaneRouter, Routed } from '../lanes/routing.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import type { Intake } from './intake.ts';
-import * as repository from './repository.ts';
-import type { RequestAnswer, RequestRow } from './repository.ts';
+import { cancelRequest } from './cancel-repository.ts';
+import { findAnswerByIdempotencyKey, type RequestAnswer } from './insert-repository.ts';
+import type { RequestRow } from './read-repository.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
 
-export type { RequestRow } from './repository.ts';
+export type { RequestRow } from './read-repository.ts';
 
 export interface RequestDeps {
   db: Db;
@@ -127,7 +128,7 @@ async function store(
     }
 
     // The key is taken: by the time the insert gave way, the request holding it was committed.
-    const existing = await repository.findAnswerByIdempotencyKey(deps.db, request, request.idempotency_key!);
+    const existing = await findAnswerByIdempotencyKey(deps.db, request, request.idempotency_key!);
     if (existing && existing.body_sha256.equals(submission.bodySha256)) return { answer: existing, replayed: true };
     if (existing || tries >= 2) {
       // A refused request stores nothing: not even its nonce.
@@ -221,7 +222,7 @@ export async function cancel(
   const nonce = nonceOf(auth, options.signature);
   if (nonce && !(await insertNonce(deps.db, nonce))) throw replayedRequest();
   if (!REQUEST_ID.test(id)) throw requestNotFound();
-  const previous = await repository.cancelRequest(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
+  const previous = await cancelRequest(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
   if (previous === undefined) throw requestNotFound();
   if (previous === 'completed' || previous === 'failed') throw requestAlreadyFinished(previous);
   if (previous !== 'cancelled') deps.metrics.cancelled.inc({ mode: auth.mode, from: previous });

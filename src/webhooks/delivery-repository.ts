@@ -2,9 +2,10 @@
 // ended, and handing back the tries of workers that died. Each function is one statement, so
 // one round trip and its own transaction; every retry's deliver_webhook job is added in the
 // statement that schedules it.
-import { sql } from 'kysely';
-import type { RequestStatus, WebhookEvent, WebhookMessageStatus } from '../db/database.ts';
+import { sql, type Selectable } from 'kysely';
+import type { WebhookEndpointsTable, WebhookEvent, WebhookMessagesTable, WebhookMessageStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
+import type { RecordRow } from '../requests/record.ts';
 import { DELIVER_WEBHOOK } from './jobs.ts';
 
 /** A message claimed for a try: what the try sends, and where. */
@@ -21,15 +22,7 @@ export interface ClaimedMessage {
   /** The secret before the last rotation, while it still signs; null otherwise. */
   previous_secret_ciphertext: Buffer | null;
   /** The request, as a lookup answers it. */
-  request: {
-    id: string;
-    status: RequestStatus;
-    attempts: number;
-    created_at: Date;
-    updated_at: Date;
-    last_error_code: string | null;
-    result: string | null;
-  };
+  request: RecordRow;
 }
 
 export type Claim =
@@ -45,24 +38,12 @@ export type Claim =
  * abandoned instead.
  */
 export async function claimMessage(db: Db, messageId: string, workerId: string): Promise<Claim> {
-  const { rows } = await sql<{
-    id: string;
-    status: WebhookMessageStatus;
-    endpoint_id: string;
-    event_type: WebhookEvent;
-    created_at: Date;
-    tries: number;
-    url: string;
-    secret_ciphertext: Buffer;
-    previous_secret_ciphertext: Buffer | null;
-    request_id: string;
-    request_status: RequestStatus;
-    request_attempts: number;
-    request_created_at: Date;
-    request_updated_at: Date;
-    request_last_error_code: string | null;
-    request_result: string | null;
-  }>`
+  const { rows } = await sql<
+    Pick<Selectable<WebhookMessagesTable>, 'id' | 'status' | 'endpoint_id' | 'event_type' | 'created_at' | 'tries'> &
+      Pick<Selectable<WebhookEndpointsTable>, 'url' | 'secret_ciphertext' | 'previous_secret_ciphertext'> & {
+        [Column in keyof RecordRow as `request_${Column}`]: RecordRow[Column];
+      }
+  >`
     with claimed as (
       update gateway.webhook_messages as messages
       set status = case when endpoints.disabled_at is null then 'delivering' else 'abandoned' end,

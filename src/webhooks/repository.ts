@@ -1,5 +1,6 @@
-// SQL for webhook endpoints, as `gateway webhooks` manages them. (The worker's statements, which
-// deliver their messages, are in delivery-repository.ts.)
+// SQL for webhook endpoints, as `gateway webhooks` manages them, and the age of the oldest
+// message still to deliver, as the metrics show it (metrics.ts). (The worker's statements,
+// which deliver the messages, are in delivery-repository.ts.)
 import { sql } from 'kysely';
 import type { WebhookEvent } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
@@ -94,4 +95,14 @@ export async function rotateEndpointSecret(
     .returning('id')
     .executeTakeFirst();
   return rotated && findEndpoint(db, rotated.id);
+}
+
+/** How long ago (in seconds) the oldest message not delivered nor given up was created; 0 when there is none. */
+export async function oldestUnfinishedMessageAge(db: Db): Promise<number> {
+  // (the partial index webhook_messages_unfinished answers it at once)
+  const { rows } = await sql<{ age: number | null }>`
+    select extract(epoch from now() - min(created_at))::float8 as age
+    from gateway.webhook_messages where finished_at is null
+  `.execute(db);
+  return rows[0]?.age ?? 0;
 }

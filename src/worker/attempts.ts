@@ -22,11 +22,10 @@ import type { StartedAttempt } from '../lanes/repository.ts';
 import type { Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
-import * as repository from '../requests/repository.ts';
-import type { AttemptFailure, Finish } from '../requests/repository.ts';
 import { UpstreamClient } from '../upstream/openai.ts';
 import { ATTEMPT_ERRORS, type AttemptOutcome } from '../upstream/outcome.ts';
 import { simulate } from '../upstream/simulator.ts';
+import { finishAttempts, type AttemptFailure, type Finish, type LostAttempt } from './attempts-repository.ts';
 import { retryDelay } from './backoff.ts';
 
 export interface AttemptDeps {
@@ -56,13 +55,6 @@ export const ABORTED_AS_ENDED = 'ended';
 /** What became of a request once its attempt was recorded; stale: another worker had taken it over. */
 export type Recorded = { status: 'completed'; result: string } | { status: 'failed' | 'retrying' | 'stale' };
 
-/** An attempt left running by a worker that died. */
-export interface LostAttempt {
-  id: string;
-  attempt: number;
-  mode: KeyMode;
-}
-
 export interface Attempts {
   /** Calls the upstream with no database connection held, then records the outcome. Never rejects. */
   run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded>;
@@ -89,7 +81,7 @@ const finishBytes = (finish: Finish) => Buffer.byteLength(finish.kind === 'compl
 export function createAttempts(deps: AttemptDeps): Attempts {
   const log = deps.logger.child({ component: 'worker' });
   const upstreams = new UpstreamClient({ maxResponseBytes: deps.config.upstreamMaxResponseBytes });
-  const finishes = new Batcher<Finish, boolean>((items) => repository.finishAttempts(deps.db, items), {
+  const finishes = new Batcher<Finish, boolean>((items) => finishAttempts(deps.db, items), {
     maxInFlight: GROUP_STATEMENTS_IN_FLIGHT,
     maxBatch: 500,
     maxBytes: { max: GROUP_BYTES, sizeOf: finishBytes },

@@ -28,7 +28,7 @@ import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import { addDispatch, claimLane, findLane, type Lane, type StartedAttempt } from '../lanes/repository.ts';
-import { findEnded } from '../requests/repository.ts';
+import { findEnded } from './attempts-repository.ts';
 import { modelLabel } from '../lanes/routing.ts';
 import { SIMULATOR, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';

@@ -7,7 +7,7 @@ import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
 import { requestIdFloor } from '../ids.ts';
 import type { Logger } from '../logger.ts';
-import { deleteFinishedBefore, dropBodiesBefore } from '../requests/repository.ts';
+import { deleteFinishedBefore, dropBodiesBefore } from './retention-repository.ts';
 
 export const RETENTION = 'retention';
 const BATCH = 1_000;

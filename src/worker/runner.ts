@@ -11,7 +11,7 @@ import type { Db } from '../db/pool.ts';
 import { DISPATCH_LANE, DispatchLanePayload, PROCESS_REQUEST, ProcessRequestPayload } from '../lanes/jobs.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
-import { findRequestLane } from '../requests/repository.ts';
+import { findRequestLane } from './attempts-repository.ts';
 import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
 import type { Dispatcher } from './dispatcher.ts';
 import { graphileLogger } from './graphile-logger.ts';

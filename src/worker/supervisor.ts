@@ -13,16 +13,14 @@
 // A stopping worker keeps beating for its dispatcher until its calls and webhook tries in flight
 // have landed (SHUTDOWN_GRACE_MS at most), so that no other worker takes them for lost meanwhile.
 import { EventEmitter } from 'node:events';
-import { hostname } from 'node:os';
-import { sql } from 'kysely';
 import { run, type Runner, type WorkerEvents } from 'graphile-worker';
 import { Backoff } from '../backoff.ts';
-import type { Db } from '../db/pool.ts';
 import { errorSummary } from '../db/pool.ts';
-import { findLostAttempts } from '../requests/repository.ts';
+import { findLostAttempts } from './attempts-repository.ts';
 import type { Attempts } from './attempts.ts';
 import type { WorkerDeps } from './runner.ts';
 import { runnerOptions } from './runner.ts';
+import { beat, release, sweep } from './supervisor-repository.ts';
 
 const RESTART_MIN_MS = 250;
 const RESTART_MAX_MS = 2_000;
@@ -170,43 +168,3 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
     },
   };
 }
-
-async function beat(db: Db, ids: readonly string[]): Promise<void> {
-  await sql`
-    insert into gateway.worker_pools (id, hostname, pid)
-    select id, ${hostname()}, ${process.pid} from unnest(${ids}::text[]) as ids(id)
-    on conflict (id) do update set last_seen_at = now()
-  `.execute(db);
-}
-
-/**
- * Releases the jobs of workers presumed dead: those whose heartbeat is older than deadAfterMs,
- * and any pool holding jobs for that long without ever having had a heartbeat row; never
- * `live`, the caller's own. Returns the ids released. (Their attempts are found next, by
- * findLostAttempts.)
- */
-export async function sweep(db: Db, deadAfterMs: number, live: readonly string[] = []): Promise<string[]> {
-  const { rows } = await sql<{ ids: string[] }>`
-    with dead as (
-      delete from gateway.worker_pools
-      where last_seen_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond' and id <> all(${live}::text[])
-      returning id
-    ), orphans as (
-      select distinct locked_by as id from graphile_worker.jobs
-      where locked_by is not null
-        and locked_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
-        and locked_by not in (select id from gateway.worker_pools)
-        and locked_by <> all(${live}::text[])
-    ), released as (
-      select array(select id from dead union select id from orphans) as ids
-    )
-    select ids, graphile_worker.force_unlock_workers(ids) from released
-  `.execute(db);
-  return rows[0]?.ids ?? [];
-}
-
-async function release(db: Db, poolIds: string[]): Promise<void> {
-  await sql`select graphile_worker.force_unlock_workers(${poolIds}::text[])`.execute(db);
-  await db.deleteFrom('worker_pools').where('id', 'in', poolIds).execute();
-}
-

@@ -8,7 +8,8 @@ import t, { type Test } from 'tap';
 import { createDb, createPool, type Db, REPLAN_EVERY } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
 import { claimLane } from '../../src/lanes/repository.ts';
-import { findRequests, finishAttempts } from '../../src/requests/repository.ts';
+import { findRequests } from '../../src/requests/read-repository.ts';
+import { finishAttempts } from '../../src/worker/attempts-repository.ts';
 import { createTestDatabase } from '../helpers/database.ts';
 
 const ROWS = 20_000;

@@ -4,7 +4,7 @@
 // lane start each request once.
 import t, { type Test } from 'tap';
 import { claimLane } from '../../src/lanes/repository.ts';
-import * as repository from '../../src/requests/repository.ts';
+import { finishAttempts } from '../../src/worker/attempts-repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, dispatchJobs, isTerminal, laneOf, requestRow, waitForRow } from '../helpers/rows.ts';
@@ -152,7 +152,7 @@ t.test('an attempt whose worker died is recorded as worker_lost and the request 
   t.equal(upstream.calls.length, 1, 'the lost attempt never reached the upstream; the retry did');
 
   t.notOk(
-    (await repository.finishAttempts(api.db, [
+    (await finishAttempts(api.db, [
       { kind: 'completed', id, attempt: 1, result: '{"object":"chat.completion"}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 },
     ]))[0],
     'the dead worker, were it to come back, could not record its outcome',

@@ -2,7 +2,7 @@
 // replaced, so requests finish without a restart. A live worker is never taken for dead: not
 // while its event loop stalls, nor while it stops and its calls in flight land.
 import t from 'tap';
-import { sweep } from '../../src/worker/supervisor.ts';
+import { sweep } from '../../src/worker/supervisor-repository.ts';
 import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';

@@ -1,0 +1,135 @@
+// SQL of accepting requests (requests/insert-batcher.ts, requests/service.ts): storing a group of
+// submissions with their nonces, each queued in its lane, and finding the answer of a submission
+// whose idempotency key was taken before.
+import { sql, type Nullable, type Selectable } from 'kysely';
+import type { RequestsTable } from '../db/database.ts';
+import type { Db } from '../db/pool.ts';
+import type { KeyMode } from '../ids.ts';
+import { NONCE_KEPT_SECONDS, type Nonce } from '../keys/repository.ts';
+import { DISPATCH_LANE } from '../lanes/jobs.ts';
+
+export interface NewRequest {
+  id: string;
+  project_id: string;
+  mode: KeyMode;
+  api_key_id: string;
+  model: string;
+  body: string;
+  body_sha256: Buffer;
+  idempotency_key: string | null;
+  /** The lane it was routed to (lanes/routing.ts). */
+  lane_id: string;
+  /** Prompt tokens estimated, for a lane with tokens_per_minute. */
+  prompt_tokens_estimate: number | null;
+}
+
+/** What a submission is answered with: enough for the acknowledgement and the 200. */
+export interface RequestAnswer extends Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at' | 'body_sha256'> {
+  /** The result as stored, verbatim JSON text; null unless completed. */
+  result: string | null;
+}
+
+export type InsertResult =
+  | { kind: 'inserted'; answer: RequestAnswer }
+  /** The nonce was already used by this key: nothing was stored. */
+  | { kind: 'replayed_nonce' }
+  /** The idempotency key is taken in this project and mode: only the nonce was stored. */
+  | { kind: 'idempotency_key_taken' };
+
+/**
+ * Stores a group of requests in one statement, and so one commit: the nonces of those that
+ * were signed, and the requests whose nonce was new (or that had none), each queued in its lane.
+ * One add_jobs call wakes each lane of the group (graphile-worker's NOTIFY, taken once per
+ * commit, is what limits one-request transactions), unless the lane waits for its limits anyway
+ * and has its dispatch scheduled (lanes.wake_at). A nonce and its request are stored together or
+ * not at all. Returns one result per item, in order.
+ */
+export async function insertRequests(
+  db: Db,
+  items: readonly { request: NewRequest; nonce: Nonce | undefined }[],
+): Promise<InsertResult[]> {
+  const column = <T>(pick: (item: (typeof items)[number]) => T) => items.map(pick);
+  const { rows } = await sql<
+    { ord: string; nonce_accepted: boolean } & Nullable<Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>>
+  >`
+    with input as (
+      select * from unnest(
+        ${column((i) => i.request.id)}::text[],
+        ${column((i) => i.request.project_id)}::bigint[],
+        ${column((i) => i.request.mode)}::text[],
+        ${column((i) => i.request.api_key_id)}::text[],
+        ${column((i) => i.request.model)}::text[],
+        ${column((i) => i.request.body)}::text[],
+        ${column((i) => i.request.body_sha256)}::bytea[],
+        ${column((i) => i.request.idempotency_key)}::text[],
+        ${column((i) => i.request.lane_id)}::bigint[],
+        ${column((i) => i.request.prompt_tokens_estimate)}::int[],
+        ${column((i) => i.nonce?.nonce ?? null)}::text[]
+      ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
+                              lane_id, prompt_tokens_estimate, nonce, ord)
+    ), nonces as (
+      insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
+      select api_key_id, nonce, now() + ${NONCE_KEPT_SECONDS} * interval '1 second' from input where nonce is not null
+      on conflict do nothing
+      returning api_key_id, nonce
+    ), accepted as (
+      select input.* from input
+      where input.nonce is null
+         or exists (select from nonces where nonces.api_key_id = input.api_key_id and nonces.nonce = input.nonce)
+    ), inserted as (
+      insert into gateway.requests
+        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, lane_id,
+         prompt_tokens_estimate, next_attempt_at)
+      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key, lane_id,
+             prompt_tokens_estimate, now()
+      from accepted
+      on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
+      returning id, status, created_at, lane_id
+    ), woken as (
+      select distinct inserted.lane_id from inserted
+      where not exists (select from gateway.lanes where lanes.id = inserted.lane_id and lanes.wake_at > now())
+    ), jobs as (
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${DISPATCH_LANE}, json_build_object('lane_id', lane_id), null, null, null, null, null, null)::graphile_worker.job_spec
+        from woken
+      ))
+      where exists (select from woken)
+    )
+    -- Joined to the jobs, so that add_jobs runs (once, for all) whenever a lane is to be woken.
+    select input.ord, accepted.id is not null as nonce_accepted, inserted.id, inserted.status, inserted.created_at
+    from input
+    cross join jobs
+    left join accepted on accepted.ord = input.ord
+    left join inserted on inserted.id = input.id
+    order by input.ord
+  `.execute(db);
+  return rows.map((row, index): InsertResult => {
+    if (!row.nonce_accepted) return { kind: 'replayed_nonce' };
+    if (row.id === null) return { kind: 'idempotency_key_taken' };
+    return {
+      kind: 'inserted',
+      answer: {
+        id: row.id,
+        status: row.status!,
+        created_at: row.created_at!,
+        result: null,
+        body_sha256: items[index]!.request.body_sha256,
+      },
+    };
+  });
+}
+
+const answerColumns = sql`id, status, created_at, result::text as result, body_sha256`;
+
+export async function findAnswerByIdempotencyKey(
+  db: Db,
+  scope: { project_id: string; mode: KeyMode },
+  idempotencyKey: string,
+): Promise<RequestAnswer | undefined> {
+  const { rows } = await sql<RequestAnswer>`
+    select ${answerColumns} from gateway.requests
+    where project_id = ${scope.project_id} and mode = ${scope.mode} and idempotency_key = ${idempotencyKey}
+  `.execute(db);
+  return rows[0];
+}

@@ -1,0 +1,48 @@
+// SQL of reading requests by id (requests/reads.ts, which groups concurrent reads): the requests
+// with their results when small, and large results apart.
+import { sql, type Selectable } from 'kysely';
+import type { RequestsTable } from '../db/database.ts';
+import type { Db } from '../db/pool.ts';
+import type { RecordRow } from './record.ts';
+
+/** A request as the API reads it back: for lookups and for answering submissions. */
+export interface RequestRow extends RecordRow, Pick<Selectable<RequestsTable>, 'project_id' | 'mode' | 'body_sha256'> {}
+
+/** A request as findRequests reads it: its result left out (null) when larger than asked for. */
+export interface RequestHead extends RequestRow {
+  /** The size of its stored result (the JSON text, in bytes); null without one. */
+  result_bytes: number | null;
+}
+
+/**
+ * Requests by id, in the order asked (undefined for an id not found). Concurrent lookups are
+ * read together (requests/reads.ts): one query, one round trip for all of them. Only the ids are
+ * in the WHERE clause, so only the primary key can serve it; callers check the scope. A result
+ * larger than `inlineResultBytes` is left out, for findResults to read apart.
+ */
+export async function findRequests(
+  db: Db,
+  ids: readonly string[],
+  inlineResultBytes = Number.MAX_SAFE_INTEGER,
+): Promise<(RequestHead | undefined)[]> {
+  // (The size is taken once per row, which offset 0 ensures: each time reads the whole result.)
+  const { rows } = await sql<RequestHead>`
+    select id, project_id, mode, status, attempts, created_at, updated_at, last_error_code, body_sha256,
+           size.result_bytes,
+           case when size.result_bytes <= ${inlineResultBytes}::bigint then result::text end as result
+    from gateway.requests
+    cross join lateral (select octet_length(requests.result::text) as result_bytes offset 0) as size
+    where id = any(${ids}::text[])
+  `.execute(db);
+  const byId = new Map(rows.map((row) => [row.id, row]));
+  return ids.map((id) => byId.get(id));
+}
+
+/** The stored results (JSON text) of these requests, in the order asked; undefined for a request gone. */
+export async function findResults(db: Db, ids: readonly string[]): Promise<(string | null | undefined)[]> {
+  const { rows } = await sql<Pick<RecordRow, 'id' | 'result'>>`
+    select id, result::text as result from gateway.requests where id = any(${ids}::text[])
+  `.execute(db);
+  const byId = new Map(rows.map((row) => [row.id, row.result]));
+  return ids.map((id) => byId.get(id));
+}
