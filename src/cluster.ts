@@ -4,15 +4,12 @@
 // process, and answers /metrics for all of them with the sum of everyone's metrics: itself on
 // METRICS_PORT when that is set, or else through the API processes on PORT (with METRICS_TOKEN:
 // each asks the primary), so that a scrape sees the whole service whichever process it reaches.
-import type http from 'node:http';
 import cluster, { type Worker as ClusterChild } from 'node:cluster';
 import client from 'prom-client';
 import { Backoff } from './backoff.ts';
 import type { Config } from './config.ts';
-import { createDb, createPool, errorSummary } from './db/pool.ts';
-import { createMetricsApp } from './http/app.ts';
+import { errorSummary } from './db/pool.ts';
 import type { Logger } from './logger.ts';
-import { assertSecretsDecrypt, closeServer, listen, startGateway, type Gateway, type Role } from './main.ts';
 import { Metrics } from './metrics.ts';
 
 const RESTART_MIN_MS = 250;
@@ -26,18 +23,29 @@ type Message =
 
 export const isClusterChild = () => cluster.isWorker;
 
+/** A part main.ts built for the primary, which the primary stops. */
+interface Part {
+  stop(): Promise<void>;
+}
+
 export interface ClusterOptions {
   config: Config;
   logger: Logger;
-  role: Role;
   databaseUrl: string;
   /** Settings the API processes need that this process may have made up (the embedded database). */
   childEnv: Record<string, string>;
+  /** Starts the worker role in the primary (for --role all); its HTTP (health, metrics) is the API processes'. */
+  startWorker?: (() => Promise<Part & { metrics: Metrics }>) | undefined;
+  /** Serves these metrics on METRICS_PORT (called only when it is set). */
+  serveMetrics: (metrics: Metrics) => Promise<Part & { port: number }>;
 }
 
-/** In the primary: forks the API processes and runs the worker role (for --role all). */
+/**
+ * In the primary: forks the API processes and runs the worker role (for --role all). The API
+ * processes' keys must decrypt the stored signing secrets (main.ts checks before it calls this).
+ */
 export async function startCluster(options: ClusterOptions): Promise<{ stop(): Promise<void> }> {
-  const { config, logger, role } = options;
+  const { config, logger } = options;
   const log = logger.child({ component: 'cluster' });
   let stopping = false;
   const restartDelay = new Backoff(RESTART_MIN_MS, RESTART_MAX_MS);
@@ -58,11 +66,6 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
     return child;
   };
 
-  // An API process whose keys cannot decrypt the signing secrets stops at once; the primary
-  // checks first, rather than replace such processes for ever.
-  const checkPool = createPool(options.databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger });
-  await assertSecretsDecrypt(createDb(checkPool), config).finally(() => checkPool.end());
-
   cluster.on('exit', (child, code, signal) => {
     if (stopping) return;
     log.error({ pid: child.process.pid, code, signal }, 'an API process exited; starting another');
@@ -73,10 +76,7 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   });
 
   // The worker role, in this process; its HTTP (health, metrics) is the API processes'.
-  const worker: Gateway | undefined =
-    role === 'all'
-      ? await startGateway({ config, logger, role: 'worker', databaseUrl: options.databaseUrl, http: false })
-      : undefined;
+  const worker = await options.startWorker?.();
   // The primary's own registry (the worker's, for --role all): its process, and its scrapes.
   const metrics = worker?.metrics ?? new Metrics();
 
@@ -90,12 +90,11 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   await listening;
   log.info({ apiProcesses: config.apiProcesses, port: config.port }, 'API processes listening');
 
-  let metricsServer: http.Server | undefined;
+  let metricsServer: (Part & { port: number }) | undefined;
   if (config.metricsPort !== undefined) {
     metrics.renderWith(collect);
-    metricsServer = await listen(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort, config.host);
-    const address = metricsServer.address() as { port: number };
-    log.info({ metricsPort: address.port }, 'serving the metrics of every process');
+    metricsServer = await options.serveMetrics(metrics);
+    log.info({ metricsPort: metricsServer.port }, 'serving the metrics of every process');
   }
 
   cluster.on('message', (_child, message: Message) => {
@@ -128,7 +127,7 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
       stopping = true;
       const children = Object.values(cluster.workers ?? {}).filter((child): child is ClusterChild => !!child);
       const exited = children.map((child) => new Promise<void>((resolve) => child.once('exit', () => resolve())));
-      const metricsClosed = metricsServer && closeServer(metricsServer);
+      const metricsClosed = metricsServer?.stop();
       // Each API process drains itself: no new connections, waiters answered, then it exits.
       for (const child of children) child.process.kill('SIGTERM');
       await Promise.all(exited);

@@ -1,24 +1,31 @@
-// The composition root: builds the API and/or the worker from a config, and shuts them down
-// in order: stop accepting connections, answer every waiting request with its acknowledgement,
-// let running attempts finish, then close the pools.
-import http from 'node:http';
-import type { AddressInfo } from 'node:net';
-import type { Duplex } from 'node:stream';
+// The composition root: the one place that builds the gateway's parts and stops them.
+// - startGateway: one process's API and/or worker from a config, stopped in order: stop
+//   accepting connections, answer every waiting request with its acknowledgement, let running
+//   attempts finish, then close the pools.
+// - serve, start, serveClusterChild: what `gateway serve` and `gateway start` run (with
+//   API_PROCESSES > 1, a cluster: cluster.ts), until a signal stops them.
+// - runAdminCommand: the database an administrative command of the command line runs on.
+import type http from 'node:http';
 import type pg from 'pg';
+import { shareMetricsWithPrimary, startCluster } from './cluster.ts';
 import { ConfigError, type Config } from './config.ts';
-import { schemaVersion } from './db/migrate.ts';
+import { migrate, schemaVersion } from './db/migrate.ts';
 import { createDb, createPool, type Db } from './db/pool.ts';
-import { ApiError, invalidRequest } from './errors.ts';
 import { createApp, createMetricsApp, createOpsApp } from './http/app.ts';
-import type { Logger } from './logger.ts';
+import { closeServer, listen, urlOf } from './http/server.ts';
+import { createLogger, type Logger } from './logger.ts';
+import { openDatabase, withLocalSecrets } from './local.ts';
 import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
 import { signingSecretNotDecrypted } from './keys/service.ts';
+import { InsertBatcher } from './requests/insert-batcher.ts';
+import { createRequestReads } from './requests/reads.ts';
 import { FINISHED_CHANNEL, Waiters } from './requests/waiters.ts';
 import { LaneRouter } from './lanes/routing.ts';
-import { intakeLimitsFor, type IntakeLimits } from './requests/intake.ts';
-import { createAttempts, type Attempts } from './worker/attempts.ts';
+import { intakeLimitsFor } from './requests/intake.ts';
+import { stopOnSignals } from './signals.ts';
+import { createAttempts } from './worker/attempts.ts';
 import { Dispatcher } from './worker/dispatcher.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 import { WebhookDeliverer } from './webhooks/deliverer.ts';
@@ -47,87 +54,75 @@ export interface Gateway {
   stop(): Promise<void>;
 }
 
+/**
+ * How a gateway stops, whichever of its parts were built before it stops (or before its start
+ * failed). Each part is handed over as it is built; stop() then:
+ * 1. tells the worker service to stop, so that calls in flight get SHUTDOWN_GRACE_MS while the
+ *    HTTP servers close;
+ * 2. closes the METRICS_PORT server and the main one, and answers waiting wait=true requests
+ *    now with their acknowledgement, rather than holding the shutdown for up to WAIT_TIMEOUT_MS;
+ * 3. once the servers are closed and the worker has stopped, stops what the parts used, in the
+ *    order handed over: first what uses connections, then the connections.
+ */
+class Shutdown {
+  worker: WorkerService | undefined;
+  metricsServer: http.Server | undefined;
+  server: http.Server | undefined;
+  waiters: Waiters | undefined;
+  /** The attempts' upstream connections, the intake counters. */
+  readonly users: Array<() => Promise<void>> = [];
+  /** The LISTEN connection, the pools. */
+  readonly connections: Array<() => Promise<void>> = [];
+
+  async stop(): Promise<void> {
+    const workerStopped = this.worker?.stop();
+    const metricsClosed = this.metricsServer && closeServer(this.metricsServer);
+    const serverClosed = this.server && closeServer(this.server);
+    this.waiters?.close();
+    await serverClosed;
+    await metricsClosed;
+    await workerStopped;
+    for (const step of this.users) await step();
+    for (const step of this.connections) await step();
+  }
+}
+
 export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const { config, logger, role, databaseUrl } = options;
   if (role !== 'worker' && config.secretEncryptionKeys.length === 0) throw noEncryptionKey();
-  let apiPool: pg.Pool | undefined;
-  let workerPool: pg.Pool | undefined;
-  let listener: Listener | undefined;
+  const metrics = new Metrics();
+  const shutdown = new Shutdown();
+  const stop = () => shutdown.stop();
+  // The API's, once built. The worker's side is built before it, and wakes them through this.
   let waiters: Waiters | undefined;
   let keys: KeyCache | undefined;
-  let server: http.Server | undefined;
-  let metricsServer: http.Server | undefined;
-  let worker: WorkerService | undefined;
-  let intake: IntakeLimits | undefined;
-  let attempts: Attempts | undefined;
-  const metrics = new Metrics();
-
-  const stop = async () => {
-    // Calls in flight get SHUTDOWN_GRACE_MS while the server closes.
-    const attemptsStopped = worker?.stop();
-    const metricsClosed = metricsServer && closeServer(metricsServer);
-    if (server) {
-      const closed = closeServer(server);
-      // Waiting wait=true requests are answered now with their acknowledgement, rather than
-      // holding the shutdown for up to WAIT_TIMEOUT_MS.
-      waiters?.close();
-      await closed;
-    }
-    waiters?.close();
-    await metricsClosed;
-    await attemptsStopped;
-    await attempts?.close();
-    await intake?.stop();
-    await listener?.close();
-    await workerPool?.end();
-    await apiPool?.end();
-  };
 
   try {
     // One LISTEN connection per process, for whichever of its parts need to hear: waiters and
     // the key cache, and the dispatcher (a call whose request was cancelled is aborted).
-    listener = new Listener(databaseUrl, logger);
+    const listener = new Listener(databaseUrl, logger);
+    shutdown.connections.push(() => listener.close());
     // The worker's side first (it opens no connection yet): the API of the same process
     // dispatches the requests it accepts on it.
-    let workerDb: Db | undefined;
-    let dispatcher: Dispatcher | undefined;
-    let deliverer: WebhookDeliverer | undefined;
-    if (role !== 'api') {
-      workerPool = createPool(databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
-      workerDb = createDb(workerPool);
-      metrics.watchPool('worker', workerPool);
-      attempts = createAttempts({
-        db: workerDb,
-        config,
-        metrics,
-        logger,
-        // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
-        onFinished: (id) => waiters?.wake([id]),
-      });
-      dispatcher = new Dispatcher({
-        db: workerDb,
-        attempts,
-        upstreams: config.upstreams,
-        capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
-        upstreamTimeoutMs: config.upstreamTimeoutMs,
-        graceMs: config.shutdownGraceMs,
-        logger,
-      });
-      metrics.watchDispatcher(dispatcher);
-      deliverer = new WebhookDeliverer({ db: workerDb, config, workerId: dispatcher.workerId, metrics, logger });
-      const hearing = dispatcher;
-      listener.subscribe(FINISHED_CHANNEL, {
-        notification: (payload) => hearing.ended(payload.split(',')),
-        lost: () => hearing.hearing(false),
-        restored: () => hearing.hearing(true),
-      });
-    }
+    const worker =
+      role === 'api'
+        ? undefined
+        : buildWorkerSide({
+            options,
+            metrics,
+            listener,
+            shutdown,
+            // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
+            onFinished: (id) => waiters?.wake([id]),
+          });
     if (role !== 'worker') {
-      apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
+      const apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
+      shutdown.connections.push(() => apiPool.end());
       await assertSchemaCurrent(apiPool);
       const db = createDb(apiPool);
       await assertSecretsDecrypt(db, config);
       waiters = new Waiters(listener);
+      shutdown.waiters = waiters;
       keys = new KeyCache(listener);
       await listener.start();
       metrics.watchPool('api', apiPool);
@@ -135,60 +130,212 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       metrics.watchQueue(db);
       metrics.watchWebhooks(db);
       const lanes = new LaneRouter(db, config);
-      intake = intakeLimitsFor(db, config, {
+      const intake = intakeLimitsFor(db, config, {
         logger,
         onRefused: (mode, limit) => metrics.intakeRefused.inc({ mode, limit }),
       });
+      if (intake) shutdown.users.push(() => intake.stop());
       intake?.start();
       // A worker in this process dispatches the requests this API accepts, without a queue hop.
-      const dispatching = dispatcher;
+      const dispatcher = worker?.dispatcher;
       const app = createApp({
         config,
         pool: apiPool,
         db,
+        inserts: new InsertBatcher(db, { maxInFlight: 2, onGroup: (size) => metrics.insertGroupSize.observe(size) }),
+        reads: createRequestReads(db),
         waiters,
         keys,
         metrics,
         logger,
         lanes,
         intake,
-        ...(dispatching ? { onStored: (laneId: string) => dispatching.poke(laneId) } : {}),
+        ...(dispatcher ? { onStored: (laneId: string) => dispatcher.poke(laneId) } : {}),
       });
-      server = await listen(app.callback(), config.port, config.host);
+      shutdown.server = await listen(app.callback(), config.port, config.host);
     }
-    if (workerPool && workerDb && attempts && dispatcher && deliverer) {
+    if (worker) {
       if (role === 'worker') {
-        await assertSchemaCurrent(workerPool);
+        await assertSchemaCurrent(worker.pool);
         await listener.start();
-        metrics.watchQueue(workerDb);
-        metrics.watchWebhooks(workerDb);
+        metrics.watchQueue(worker.db);
+        metrics.watchWebhooks(worker.db);
         if (options.http !== false) {
-          server = await listen(createOpsApp({ config, pool: workerPool, metrics, logger }).callback(), config.port, config.host);
+          const ops = createOpsApp({ config, pool: worker.pool, metrics, logger });
+          shutdown.server = await listen(ops.callback(), config.port, config.host);
         }
       }
-      worker = await startWorkerService({
-        config,
-        pool: workerPool,
-        db: workerDb,
-        metrics,
-        logger,
-        attempts,
-        dispatcher,
-        deliverer,
-      });
+      shutdown.worker = await startWorkerService({ config, metrics, logger, ...worker });
     }
     if (options.http !== false && options.metricsPort !== false && config.metricsPort !== undefined) {
-      metricsServer = await listen(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort, config.host);
+      shutdown.metricsServer = await listenForMetrics(config, metrics, logger);
     }
   } catch (error) {
     await stop().catch(() => {});
     throw error;
   }
 
-  const url = urlOf(server);
-  const metricsUrl = urlOf(metricsServer);
+  const url = urlOf(shutdown.server);
+  const metricsUrl = urlOf(shutdown.metricsServer);
   logger.info({ role, url, ...(metricsUrl ? { metricsUrl } : {}) }, 'gateway started');
   return { url, metricsUrl, metrics, waiters, keys, stop };
+}
+
+/**
+ * The worker's parts: its pool, the attempts, the dispatcher that runs them and the webhook
+ * deliverer. It opens no connection yet; startWorkerService runs them.
+ */
+function buildWorkerSide(parts: {
+  options: GatewayOptions;
+  metrics: Metrics;
+  listener: Listener;
+  shutdown: Shutdown;
+  onFinished: (id: string) => void;
+}) {
+  const { options, metrics, listener, shutdown, onFinished } = parts;
+  const { config, logger } = options;
+  const pool = createPool(options.databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
+  shutdown.connections.push(() => pool.end());
+  const db = createDb(pool);
+  metrics.watchPool('worker', pool);
+  const attempts = createAttempts({ db, config, metrics, logger, onFinished });
+  shutdown.users.push(() => attempts.close());
+  const dispatcher = new Dispatcher({
+    db,
+    attempts,
+    upstreams: config.upstreams,
+    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
+    upstreamTimeoutMs: config.upstreamTimeoutMs,
+    graceMs: config.shutdownGraceMs,
+    logger,
+  });
+  metrics.watchDispatcher(dispatcher);
+  const deliverer = new WebhookDeliverer({ db, config, workerId: dispatcher.workerId, metrics, logger });
+  listener.subscribe(FINISHED_CHANNEL, {
+    notification: (payload) => dispatcher.ended(payload.split(',')),
+    lost: () => dispatcher.hearing(false),
+    restored: () => dispatcher.hearing(true),
+  });
+  return { pool, db, attempts, dispatcher, deliverer };
+}
+
+/** GET /metrics on METRICS_PORT. */
+function listenForMetrics(config: Config, metrics: Metrics, logger: Logger): Promise<http.Server> {
+  return listen(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort!, config.host);
+}
+
+/** `gateway serve`: the role given, as a cluster of API processes when API_PROCESSES > 1. */
+export async function serve(config: Config, role: Role, databaseUrl: string): Promise<void> {
+  const logger = createLogger(config);
+  const running =
+    config.apiProcesses > 1 && role !== 'worker'
+      ? await startApiCluster({ config, logger, role, databaseUrl, childEnv: {} })
+      : await startGateway({ config, logger, role, databaseUrl });
+  stopOnSignals(() => running.stop(), logger);
+}
+
+/**
+ * `gateway start`: migrates and serves everything; with DATABASE_URL unset, on the embedded
+ * Postgres under DATA_DIR, which it stops last.
+ */
+export async function start(baseConfig: Config): Promise<void> {
+  const logger = createLogger(baseConfig);
+  const database = await openDatabase(baseConfig, logger);
+  try {
+    const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
+    const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger });
+    await migrate(pool, logger).finally(() => pool.end());
+    const gateway =
+      config.apiProcesses > 1
+        ? await startApiCluster({
+            config,
+            logger,
+            role: 'all',
+            databaseUrl: database.url,
+            // The key generated under DATA_DIR, when none was set (a set one reaches them as it is).
+            childEnv:
+              baseConfig.secretEncryptionKey === undefined && config.secretEncryptionKey
+                ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKey.toString('base64') }
+                : {},
+          })
+        : await startGateway({ config, logger, role: 'all', databaseUrl: database.url });
+    logger.info('ready; create a test key with: npm run gateway -- keys create --project demo --mode test');
+    stopOnSignals(async () => {
+      await gateway.stop();
+      await database.release();
+    }, logger);
+  } catch (error) {
+    await database.release();
+    throw error;
+  }
+}
+
+export { isClusterChild } from './cluster.ts';
+
+/** One of the API processes a cluster's primary forked (API_PROCESSES > 1). */
+export async function serveClusterChild(config: Config): Promise<void> {
+  const logger = createLogger(config);
+  // METRICS_PORT, when set, is the primary's: it serves everyone's metrics there.
+  const gateway = await startGateway({ config, logger, role: 'api', databaseUrl: config.databaseUrl!, metricsPort: false });
+  shareMetricsWithPrimary(gateway.metrics);
+  // The primary decides when to stop (it relays SIGTERM); a Ctrl-C reaches it too.
+  process.on('SIGINT', () => {});
+  stopOnSignals(gateway.stop, logger, ['SIGTERM']);
+}
+
+/** A cluster's primary (cluster.ts), with the parts it runs: the worker role for --role all, and the METRICS_PORT server. */
+async function startApiCluster(options: {
+  config: Config;
+  logger: Logger;
+  role: Exclude<Role, 'worker'>;
+  databaseUrl: string;
+  childEnv: Record<string, string>;
+}): Promise<{ stop(): Promise<void> }> {
+  const { config, logger, role, databaseUrl } = options;
+  // An API process whose keys cannot decrypt the signing secrets stops at once; the primary
+  // checks first, rather than replace such processes for ever.
+  const checkPool = createPool(databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger });
+  await assertSecretsDecrypt(createDb(checkPool), config).finally(() => checkPool.end());
+  return startCluster({
+    config,
+    logger,
+    databaseUrl,
+    childEnv: options.childEnv,
+    startWorker:
+      role === 'all' ? () => startGateway({ config, logger, role: 'worker', databaseUrl, http: false }) : undefined,
+    serveMetrics: async (metrics) => {
+      const server = await listenForMetrics(config, metrics, logger);
+      return { port: (server.address() as { port: number }).port, stop: () => closeServer(server) };
+    },
+  });
+}
+
+export interface AdminContext {
+  pool: pg.Pool;
+  logger: Logger;
+  /** The config, with the embedded database's SECRET_ENCRYPTION_KEY when that is used. */
+  config: Config;
+}
+
+/** An administrative command: what it prints. */
+export type AdminCommand = (db: Db, context: AdminContext) => Promise<string>;
+
+/**
+ * Runs one administrative command against the database and prints what it returns. Logs go to
+ * stderr, so that stdout (for --json) carries only the answer. With DATABASE_URL unset, the
+ * embedded Postgres under DATA_DIR is used (started for the command if it is not running).
+ */
+export async function runAdminCommand(config: Config, command: AdminCommand): Promise<void> {
+  const logger = createLogger({ logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel }, process.stderr);
+  const database = await openDatabase(config, logger);
+  const effective = database.embedded ? await withLocalSecrets(config) : config;
+  const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger });
+  try {
+    console.log(await command(createDb(pool), { pool, logger, config: effective }));
+  } finally {
+    await pool.end();
+    await database.release();
+  }
 }
 
 /**
@@ -217,69 +364,4 @@ async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
       `The database schema is at migration ${applied}, this gateway needs ${expected}: run \`gateway migrate\` first.`,
     );
   }
-}
-
-export function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
-  const server = http.createServer(
-    {
-      // Hostile or broken clients may not hold a socket open without sending a request.
-      headersTimeout: 10_000,
-      requestTimeout: 30_000,
-      keepAliveTimeout: 5_000,
-      maxHeaderSize: 16 * 1024,
-    },
-    handler,
-  );
-  server.maxHeadersCount = 100;
-  server.on('clientError', answerClientError);
-  return new Promise((resolve, reject) => {
-    server.once('error', reject);
-    server.listen(port, host, () => {
-      server.off('error', reject);
-      resolve(server);
-    });
-  });
-}
-
-/**
- * Requests too broken to reach the app (unparseable HTTP, oversized headers) still get the
- * contract's error shape; a client too slow to send its request just loses the connection.
- */
-function answerClientError(error: Error & { code?: string }, socket: Duplex): void {
-  if (!socket.writable || error.code === 'ECONNRESET') {
-    socket.destroy();
-    return;
-  }
-  if (error.code === 'ERR_HTTP_REQUEST_TIMEOUT') {
-    socket.end();
-    return;
-  }
-  const apiError =
-    error.code === 'HPE_HEADER_OVERFLOW'
-      ? new ApiError(413, 'invalid_request_error', 'request_too_large', 'The request headers are too large.')
-      : invalidRequest('invalid_body', 'The request is not valid HTTP/1.1.');
-  const body = JSON.stringify(apiError.toBody());
-  socket.end(
-    `HTTP/1.1 ${apiError.status} ${http.STATUS_CODES[apiError.status]}\r\n` +
-      `content-type: application/json; charset=utf-8\r\ncontent-length: ${Buffer.byteLength(body)}\r\n` +
-      `connection: close\r\n\r\n${body}`,
-  );
-}
-
-/** Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are answered. */
-export function closeServer(server: http.Server): Promise<void> {
-  return new Promise((resolve) => {
-    server.close(() => resolve());
-    server.closeIdleConnections();
-  });
-}
-
-function urlOf(server: http.Server | undefined): string {
-  const address = server?.address() as AddressInfo | null | undefined;
-  return address ? `http://${hostForUrl(address)}:${address.port}` : '';
-}
-
-function hostForUrl(address: AddressInfo): string {
-  if (address.address === '0.0.0.0' || address.address === '::') return '127.0.0.1';
-  return address.family === 'IPv6' ? `[${address.address}]` : address.address;
 }

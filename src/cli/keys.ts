@@ -4,6 +4,9 @@ import type { KeyMode } from '../ids.ts';
 import { reencryptSecrets } from '../keys/reencryption.ts';
 import { createKey, listKeys, MissingEncryptionKeyError, revokeKey } from '../keys/service.ts';
 import { CommandError, table } from './output.ts';
+import * as v from 'valibot';
+import type { AdminCommand } from '../main.ts';
+import { parse, UsageError } from './args.ts';
 
 export async function createKeyCommand(
   db: Db,
@@ -76,4 +79,36 @@ export async function reencryptKeysCommand(db: Db, encryptionKeys: readonly Buff
     );
   }
   return summary;
+}
+
+/** gateway keys create | list | revoke | reencrypt, from its arguments. */
+export function parseKeysCommand(args: string[]): AdminCommand {
+  const [subcommand, ...rest] = args;
+  switch (subcommand) {
+    case 'create': {
+      const { values } = parse(rest, {
+        project: { type: 'string' },
+        mode: { type: 'string', default: 'live' },
+        json: { type: 'boolean', default: false },
+      });
+      if (values.project === undefined) throw new UsageError('keys create needs --project <name>.');
+      const mode = v.parse(v.picklist(['live', 'test'], '--mode must be live or test'), values.mode);
+      return (db, { config }) => createKeyCommand(db, config.secretEncryptionKey, { project: values.project!, mode, json: values.json! });
+    }
+    case 'list': {
+      const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });
+      return (db) => listKeysCommand(db, { ...(values.project ? { project: values.project } : {}), json: values.json! });
+    }
+    case 'revoke': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('keys revoke needs exactly one key id.');
+      return (db) => revokeKeyCommand(db, positionals[0]!, { json: values.json! });
+    }
+    case 'reencrypt': {
+      const { values } = parse(rest, { json: { type: 'boolean', default: false } });
+      return (db, { config }) => reencryptKeysCommand(db, config.secretEncryptionKeys, { json: values.json! });
+    }
+    default:
+      throw new UsageError('keys takes create, list, revoke or reencrypt.');
+  }
 }

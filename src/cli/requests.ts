@@ -4,6 +4,9 @@ import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { findRequestDetail, listRequests, stats } from '../requests/inspection.ts';
 import { CommandError, table } from './output.ts';
+import * as v from 'valibot';
+import type { AdminCommand } from '../main.ts';
+import { parse, UsageError } from './args.ts';
 
 export async function showRequestCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
   const detail = await findRequestDetail(db, id);
@@ -74,4 +77,50 @@ export async function statsCommand(db: Db, options: { json: boolean }): Promise<
       ? '  (none running)'
       : table(state.worker_pools, ['id', 'kind', 'hostname', 'pid', 'started_at', 'last_seen_at']),
   ].join('\n');
+}
+
+/** gateway requests show | list, from its arguments. */
+export function parseRequestsCommand(args: string[]): AdminCommand {
+  const [subcommand, ...rest] = args;
+  switch (subcommand) {
+    case 'show': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('requests show needs exactly one request id.');
+      return (db) => showRequestCommand(db, positionals[0]!, { json: values.json! });
+    }
+    case 'list': {
+      const { values } = parse(rest, {
+        status: { type: 'string' },
+        project: { type: 'string' },
+        mode: { type: 'string' },
+        limit: { type: 'string', default: '20' },
+        json: { type: 'boolean', default: false },
+      });
+      const filter = v.parse(
+        v.object({
+          status: v.optional(v.picklist(['queued', 'processing', 'retrying', 'completed', 'failed', 'cancelled'], '--status must be queued, processing, retrying, completed, failed or cancelled')),
+          project: v.optional(v.string()),
+          mode: v.optional(v.picklist(['live', 'test'], '--mode must be live or test')),
+          limit: v.pipe(v.string(), v.regex(/^\d+$/, '--limit must be a whole number'), v.transform(Number), v.minValue(1, '--limit must be at least 1'), v.maxValue(10_000, '--limit is at most 10000')),
+        }),
+        values,
+      );
+      return (db) =>
+        listRequestsCommand(db, {
+          limit: filter.limit,
+          json: values.json!,
+          ...(filter.status ? { status: filter.status } : {}),
+          ...(filter.project ? { project: filter.project } : {}),
+          ...(filter.mode ? { mode: filter.mode } : {}),
+        });
+    }
+    default:
+      throw new UsageError('requests takes show or list.');
+  }
+}
+
+/** gateway stats, from its arguments. */
+export function parseStatsCommand(args: string[]): AdminCommand {
+  const { values } = parse(args, { json: { type: 'boolean', default: false } });
+  return (db) => statsCommand(db, { json: values.json! });
 }

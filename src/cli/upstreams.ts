@@ -4,6 +4,8 @@ import type { Db } from '../db/pool.ts';
 import { laneStates } from '../lanes/repository.ts';
 import type { Upstream } from '../upstream/upstreams.ts';
 import { table } from './output.ts';
+import type { AdminCommand } from '../main.ts';
+import { parse } from './args.ts';
 
 export async function upstreamsCommand(db: Db, upstreams: readonly Upstream[], options: { json: boolean }): Promise<string> {
   const lanes = await laneStates(db);
@@ -28,4 +30,10 @@ export async function upstreamsCommand(db: Db, upstreams: readonly Upstream[], o
       ? '  (none yet: a lane appears with its first request)'
       : table(lanes, ['id', 'mode', 'upstream', 'model', 'waiting', 'running', 'max_concurrent', 'requests_per_minute', 'tokens_per_minute', 'paused_until', 'next_dispatch_at']),
   ].join('\n');
+}
+
+/** gateway upstreams, from its arguments. */
+export function parseUpstreamsCommand(args: string[]): AdminCommand {
+  const { values } = parse(args, { json: { type: 'boolean', default: false } });
+  return (db, { config }) => upstreamsCommand(db, config.upstreams, { json: values.json! });
 }

@@ -3,10 +3,40 @@
 import type { Db } from '../db/pool.ts';
 import { usageDaily } from '../requests/inspection.ts';
 import { table } from './output.ts';
+import * as v from 'valibot';
+import type { AdminCommand } from '../main.ts';
+import { parse } from './args.ts';
 
 export async function usageCommand(db: Db, options: { project?: string; since?: string; json: boolean }): Promise<string> {
   const rows = await usageDaily(db, options);
   if (options.json) return JSON.stringify(rows);
   if (rows.length === 0) return 'No completed requests.';
   return table(rows, ['day', 'project', 'mode', 'upstream', 'model', 'requests', 'prompt_tokens', 'completion_tokens', 'total_tokens']);
+}
+
+const Day = v.pipe(
+  v.string(),
+  v.regex(/^\d{4}-\d{2}-\d{2}$/, '--since must be a day, YYYY-MM-DD'),
+  v.check(isDay, '--since must be a day, YYYY-MM-DD'),
+);
+
+function isDay(text: string): boolean {
+  const date = new Date(`${text}T00:00:00Z`);
+  return !Number.isNaN(date.getTime()) && date.toISOString().startsWith(text);
+}
+
+/** gateway usage, from its arguments. */
+export function parseUsageCommand(args: string[]): AdminCommand {
+  const { values } = parse(args, {
+    project: { type: 'string' },
+    since: { type: 'string' },
+    json: { type: 'boolean', default: false },
+  });
+  const since = values.since === undefined ? undefined : v.parse(Day, values.since);
+  return (db) =>
+    usageCommand(db, {
+      json: values.json!,
+      ...(values.project ? { project: values.project } : {}),
+      ...(since ? { since } : {}),
+    });
 }

@@ -2,6 +2,8 @@
 import type { Db } from '../db/pool.ts';
 import { addEndpoint, listEndpoints, removeEndpoint, rotateSecret, type WebhookSettings } from '../webhooks/endpoints.ts';
 import { CommandError, table } from './output.ts';
+import type { AdminCommand } from '../main.ts';
+import { parse, UsageError } from './args.ts';
 
 export async function addWebhookCommand(
   db: Db,
@@ -84,4 +86,43 @@ export async function rotateWebhookSecretCommand(
     `The previous secret keeps signing deliveries beside this one until ${expires.toISOString()};`,
     'switch your receiver to the new one before then. It is shown this once: store it now.',
   ].join('\n');
+}
+
+/** gateway webhooks add | list | remove | rotate-secret, from its arguments. */
+export function parseWebhooksCommand(args: string[]): AdminCommand {
+  const [subcommand, ...rest] = args;
+  switch (subcommand) {
+    case 'add': {
+      const { values } = parse(rest, {
+        project: { type: 'string' },
+        url: { type: 'string' },
+        events: { type: 'string' },
+        json: { type: 'boolean', default: false },
+      });
+      if (values.project === undefined || values.url === undefined) throw new UsageError('webhooks add needs --project <name> and --url <url>.');
+      const events = values.events?.split(',').map((event) => event.trim()).filter(Boolean);
+      return (db, { config }) =>
+        addWebhookCommand(
+          db,
+          { encryptionKey: config.secretEncryptionKey, allowPrivate: config.webhooks.allowPrivate },
+          { project: values.project!, url: values.url!, json: values.json!, ...(events ? { events } : {}) },
+        );
+    }
+    case 'list': {
+      const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });
+      return (db) => listWebhooksCommand(db, { ...(values.project ? { project: values.project } : {}), json: values.json! });
+    }
+    case 'remove': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('webhooks remove needs exactly one endpoint id.');
+      return (db) => removeWebhookCommand(db, positionals[0]!, { json: values.json! });
+    }
+    case 'rotate-secret': {
+      const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
+      if (positionals.length !== 1) throw new UsageError('webhooks rotate-secret needs exactly one endpoint id.');
+      return (db, { config }) => rotateWebhookSecretCommand(db, config.secretEncryptionKey, positionals[0]!, { json: values.json! });
+    }
+    default:
+      throw new UsageError('webhooks takes add, list, remove or rotate-secret.');
+  }
 }

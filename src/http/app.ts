@@ -1,5 +1,6 @@
-// createApp(deps): the whole HTTP API as a Koa app, built without listening so tests and
-// main.ts wire it the same way. Per route, the steps are:
+// createApp(deps): the whole HTTP API as a Koa app, serving the parts it is given (main.ts
+// builds them and stops them); it does not listen, so a test can call app.callback() directly.
+// Per route, the steps are:
 //   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
 // createOpsApp(deps): what a worker-only process serves on PORT: health (and metrics, as below).
 // createMetricsApp(deps): GET /metrics alone, on METRICS_PORT.
@@ -12,17 +13,12 @@ import Router from '@koa/router';
 import Koa from 'koa';
 import type pg from 'pg';
 import type { Config } from '../config.ts';
-import type { Db } from '../db/pool.ts';
 import { methodNotAllowed, routeNotFound } from '../errors.ts';
-import type { KeyCache } from '../keys/cache.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { errorSummary } from '../db/pool.ts';
-import { InsertBatcher } from '../requests/insert-batcher.ts';
-import { createRequestReads } from '../requests/reads.ts';
-import type { Waiters } from '../requests/waiters.ts';
-import type { LaneRouter } from '../lanes/routing.ts';
-import type { Intake } from '../requests/intake.ts';
+import type { KeyCache } from '../keys/cache.ts';
+import type { RequestDeps } from '../requests/service.ts';
 import { authenticate } from './auth.ts';
 import { noBody, readBody } from './body.ts';
 import type { GatewayContext, GatewayState, Reply, Step } from './context.ts';
@@ -43,41 +39,23 @@ export interface OpsDeps extends MetricsDeps {
   pool: pg.Pool;
 }
 
-export interface AppDeps extends OpsDeps {
-  db: Db;
-  waiters: Waiters;
+/** The API's parts (requests/service.ts has what each is for), and the key cache for auth. */
+export interface AppDeps extends OpsDeps, RequestDeps {
+  config: Config;
   keys: KeyCache;
-  lanes: LaneRouter;
-  intake?: Intake | undefined;
-  /** Told the lane of each request stored (role all: this process's worker dispatches it at once). */
-  onStored?: ((laneId: string) => void) | undefined;
 }
 
 export function createApp(deps: AppDeps): Koa<GatewayState> {
   const { app, router } = opsApp(deps);
-  const requestDeps = {
-    db: deps.db,
-    inserts: new InsertBatcher(deps.db, {
-      maxInFlight: 2,
-      onGroup: (size) => deps.metrics.insertGroupSize.observe(size),
-    }),
-    reads: createRequestReads(deps.db),
-    waiters: deps.waiters,
-    metrics: deps.metrics,
-    config: deps.config,
-    lanes: deps.lanes,
-    intake: deps.intake,
-    onStored: deps.onStored,
-  };
   const signed = verifyRequestSignature(deps.config, deps.keys);
   const authenticated = authenticate(deps.db, deps.keys, () => deps.metrics.unknownKeys.inc());
 
   router.post(
     '/v1/chat/completions',
-    route([authenticated, readBody(deps.config.maxBodyBytes), signed], createCompletion(requestDeps)),
+    route([authenticated, readBody(deps.config.maxBodyBytes), signed], createCompletion(deps)),
   );
-  router.get('/v1/requests/:id', route([authenticated, signed], getRequest(requestDeps)));
-  router.post('/v1/requests/:id/cancel', route([authenticated, noBody(), signed], cancelRequest(requestDeps)));
+  router.get('/v1/requests/:id', route([authenticated, signed], getRequest(deps)));
+  router.post('/v1/requests/:id/cancel', route([authenticated, noBody(), signed], cancelRequest(deps)));
   return finish(app, router);
 }
 

@@ -1,0 +1,73 @@
+// The node:http servers the apps are served on: limits that keep broken or hostile clients from
+// holding sockets, the contract's error shape for requests too broken to reach an app, and a
+// close that lets in-flight requests finish.
+import http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import type { Duplex } from 'node:stream';
+import { ApiError, invalidRequest } from '../errors.ts';
+
+export function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
+  const server = http.createServer(
+    {
+      // Hostile or broken clients may not hold a socket open without sending a request.
+      headersTimeout: 10_000,
+      requestTimeout: 30_000,
+      keepAliveTimeout: 5_000,
+      maxHeaderSize: 16 * 1024,
+    },
+    handler,
+  );
+  server.maxHeadersCount = 100;
+  server.on('clientError', answerClientError);
+  return new Promise((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(port, host, () => {
+      server.off('error', reject);
+      resolve(server);
+    });
+  });
+}
+
+/**
+ * Requests too broken to reach the app (unparseable HTTP, oversized headers) still get the
+ * contract's error shape; a client too slow to send its request just loses the connection.
+ */
+function answerClientError(error: Error & { code?: string }, socket: Duplex): void {
+  if (!socket.writable || error.code === 'ECONNRESET') {
+    socket.destroy();
+    return;
+  }
+  if (error.code === 'ERR_HTTP_REQUEST_TIMEOUT') {
+    socket.end();
+    return;
+  }
+  const apiError =
+    error.code === 'HPE_HEADER_OVERFLOW'
+      ? new ApiError(413, 'invalid_request_error', 'request_too_large', 'The request headers are too large.')
+      : invalidRequest('invalid_body', 'The request is not valid HTTP/1.1.');
+  const body = JSON.stringify(apiError.toBody());
+  socket.end(
+    `HTTP/1.1 ${apiError.status} ${http.STATUS_CODES[apiError.status]}\r\n` +
+      `content-type: application/json; charset=utf-8\r\ncontent-length: ${Buffer.byteLength(body)}\r\n` +
+      `connection: close\r\n\r\n${body}`,
+  );
+}
+
+/** Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are answered. */
+export function closeServer(server: http.Server): Promise<void> {
+  return new Promise((resolve) => {
+    server.close(() => resolve());
+    server.closeIdleConnections();
+  });
+}
+
+/** The server's base URL ('' for no server). */
+export function urlOf(server: http.Server | undefined): string {
+  const address = server?.address() as AddressInfo | null | undefined;
+  return address ? `http://${hostForUrl(address)}:${address.port}` : '';
+}
+
+function hostForUrl(address: AddressInfo): string {
+  if (address.address === '0.0.0.0' || address.address === '::') return '127.0.0.1';
+  return address.family === 'IPv6' ? `[${address.address}]` : address.address;
+}
