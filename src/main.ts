@@ -20,6 +20,7 @@ import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
 import { signingSecretNotDecrypted } from './keys/service.ts';
 import { InsertBatcher } from './requests/insert-batcher.ts';
+import { countUnfinishedByStatus } from './requests/inspection.ts';
 import { createRequestReads } from './requests/reads.ts';
 import { FINISHED_CHANNEL, Waiters } from './requests/waiters.ts';
 import { LaneRouter } from './lanes/routing.ts';
@@ -29,6 +30,7 @@ import { createAttempts } from './worker/attempts.ts';
 import { Dispatcher } from './worker/dispatcher.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 import { WebhookDeliverer } from './webhooks/deliverer.ts';
+import { oldestUnfinishedMessageAge } from './webhooks/repository.ts';
 
 export type Role = 'all' | 'api' | 'worker';
 
@@ -127,8 +129,8 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       await listener.start();
       metrics.watchPool('api', apiPool);
       metrics.watchWaiters(waiters);
-      metrics.watchQueue(db);
-      metrics.watchWebhooks(db);
+      metrics.watchQueue(() => countUnfinishedByStatus(db));
+      metrics.watchWebhooks(() => oldestUnfinishedMessageAge(db));
       const lanes = new LaneRouter(db, config);
       const intake = intakeLimitsFor(db, config, {
         logger,
@@ -158,8 +160,8 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       if (role === 'worker') {
         await assertSchemaCurrent(worker.pool);
         await listener.start();
-        metrics.watchQueue(worker.db);
-        metrics.watchWebhooks(worker.db);
+        metrics.watchQueue(() => countUnfinishedByStatus(worker.db));
+        metrics.watchWebhooks(() => oldestUnfinishedMessageAge(worker.db));
         if (options.http !== false) {
           const ops = createOpsApp({ config, pool: worker.pool, metrics, logger });
           shutdown.server = await listen(ops.callback(), config.port, config.host);

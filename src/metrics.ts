@@ -2,12 +2,8 @@
 // statuses, modes, outcomes and error codes: never a key, id, project or message.
 import client from 'prom-client';
 import type pg from 'pg';
-import type { Db } from './db/pool.ts';
-import { countUnfinishedByStatus } from './requests/inspection.ts';
 import { SIMULATOR } from './upstream/upstreams.ts';
-import type { Waiters } from './requests/waiters.ts';
 import type { Usage } from './upstream/outcome.ts';
-import { oldestUnfinishedMessageAge } from './webhooks/repository.ts';
 
 const PREFIX = 'gateway_';
 
@@ -119,7 +115,7 @@ export class Metrics {
   }
 
   /** gateway_waiters: wait=true requests held open in this process. */
-  watchWaiters(waiters: Waiters): void {
+  watchWaiters(waiters: { readonly size: number }): void {
     this.#sizeGauge('waiters', 'wait=true requests currently held open by this process.', waiters);
   }
 
@@ -161,12 +157,12 @@ export class Metrics {
   }
 
   /**
-   * gateway_requests{status,mode}: requests not finished yet, read from the database (once per
-   * few seconds, whoever scrapes: see sharedRead) and the same figure in every process:
-   * aggregate it with max, not sum.
+   * gateway_requests{status,mode}: requests not finished yet, read from the database by
+   * `readQueue` (requests/inspection.ts countUnfinishedByStatus; once per few seconds, whoever
+   * scrapes: see sharedRead) and the same figure in every process: aggregate it with max, not sum.
    */
-  watchQueue(db: Db): void {
-    const read = sharedRead(() => countUnfinishedByStatus(db), this.#databaseGaugeTtlMs);
+  watchQueue(readQueue: () => Promise<readonly { status: string; mode: string; count: number }[]>): void {
+    const read = sharedRead(readQueue, this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}requests`,
       help: 'Requests not finished yet (the queue), by status and mode, as the database has them.',
@@ -189,11 +185,12 @@ export class Metrics {
 
   /**
    * gateway_webhook_oldest_pending_seconds: the age of the oldest webhook message not delivered
-   * nor given up, read from the database (once per few seconds, as watchQueue's) and the same
-   * in every process: aggregate it with max.
+   * nor given up, in seconds, read from the database by `readOldestAge` (webhooks/repository.ts
+   * oldestUnfinishedMessageAge; once per few seconds, as watchQueue's) and the same in every
+   * process: aggregate it with max.
    */
-  watchWebhooks(db: Db): void {
-    const read = sharedRead(() => oldestUnfinishedMessageAge(db), this.#databaseGaugeTtlMs);
+  watchWebhooks(readOldestAge: () => Promise<number>): void {
+    const read = sharedRead(readOldestAge, this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}webhook_oldest_pending_seconds`,
       help: 'Age of the oldest webhook message not yet delivered (nor given up), as the database has it; 0 when there is none.',

@@ -6,6 +6,8 @@ import t from 'tap';
 import { createDb, createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
 import { Metrics } from '../src/metrics.ts';
+import { countUnfinishedByStatus } from '../src/requests/inspection.ts';
+import { oldestUnfinishedMessageAge } from '../src/webhooks/repository.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
 import { isTerminal, waitForRow } from './helpers/rows.ts';
@@ -159,8 +161,8 @@ t.test('the gauges read from the database are read once per few seconds, by one 
   let reads = 0;
   pool.on('acquire', () => reads++);
   const metrics = new Metrics({ databaseGaugeTtlMs: 1_000 });
-  metrics.watchQueue(createDb(pool));
-  metrics.watchWebhooks(createDb(pool));
+  metrics.watchQueue(() => countUnfinishedByStatus(createDb(pool)));
+  metrics.watchWebhooks(() => oldestUnfinishedMessageAge(createDb(pool)));
 
   await client.post({ model: 'test-echo', messages: userMessage() });
   const scrapes = await Promise.all(Array.from({ length: 20 }, () => metrics.render()));

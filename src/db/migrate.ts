@@ -5,7 +5,7 @@ import { readdir, readFile } from 'node:fs/promises';
 import { runMigrations } from 'graphile-worker';
 import type pg from 'pg';
 import type { Logger } from '../logger.ts';
-import { graphileLogger } from '../worker/graphile-logger.ts';
+import { graphileLogger } from './graphile-logger.ts';
 import { SCHEMA } from './pool.ts';
 
 const SQL_DIR = new URL('../../sql/', import.meta.url);

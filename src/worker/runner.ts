@@ -14,7 +14,7 @@ import type { Metrics } from '../metrics.ts';
 import { findRequestLane } from './attempts-repository.ts';
 import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
 import type { Dispatcher } from './dispatcher.ts';
-import { graphileLogger } from './graphile-logger.ts';
+import { graphileLogger } from '../db/graphile-logger.ts';
 import { RETENTION, retentionTask } from './retention.ts';
 import type { WebhookDeliverer } from '../webhooks/deliverer.ts';
 import { DELIVER_WEBHOOK, DeliverWebhookPayload } from '../webhooks/jobs.ts';

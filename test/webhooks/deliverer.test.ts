@@ -8,6 +8,7 @@ import t from 'tap';
 import { claimMessage } from '../../src/webhooks/delivery-repository.ts';
 import { eventBody, MAX_RETRY_WAIT_MS, nextTryDelay } from '../../src/webhooks/deliverer.ts';
 import { removeEndpoint, rotateSecret } from '../../src/webhooks/endpoints.ts';
+import { oldestUnfinishedMessageAge } from '../../src/webhooks/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
 import { freePort } from '../helpers/ports.ts';
@@ -467,7 +468,7 @@ t.test('gateway_webhook_oldest_pending_seconds is the age of the oldest message 
   const receiver = await startReceiver(t);
   await addTestEndpoint(gateway, { url: receiver.url });
   const { metrics, runDueJobs } = testDeliverer(t, gateway);
-  metrics.watchWebhooks(gateway.db);
+  metrics.watchWebhooks(() => oldestUnfinishedMessageAge(gateway.db));
   t.equal(await metricValue(metrics, 'gateway_webhook_oldest_pending_seconds'), 0, 'none: 0');
   await endRequest(gateway, key, 'completed');
   await gateway.db.updateTable('webhook_messages').set({ created_at: sql<Date>`now() - interval '90 seconds'` } as never).execute();
