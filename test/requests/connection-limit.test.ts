@@ -26,9 +26,11 @@ async function asAdmin(url: string, statements: string[]): Promise<void> {
 t.test(`a role limited to ${CONNECTION_LIMIT} connections, a pool of 10, many requests at once: every answer a 202 or a 503 with retry-after, never a 500`, async (t) => {
   const url = await createTestDatabase(t);
   const role = `gateway_limited_${randomBytes(4).toString('hex')}`;
+  // A password too, for a server that asks for one (the embedded Postgres does; trust ignores it).
+  const password = randomBytes(12).toString('hex');
   await asAdmin(url, [
     // (graphile-worker's tables have row-level security, which their owner bypasses: so must this role.)
-    `create role ${role} login bypassrls connection limit ${CONNECTION_LIMIT}`,
+    `create role ${role} login password '${password}' bypassrls connection limit ${CONNECTION_LIMIT}`,
     `grant usage on schema gateway, graphile_worker to ${role}`,
     `grant select, insert, update, delete on all tables in schema gateway, graphile_worker to ${role}`,
     `grant usage, select on all sequences in schema gateway, graphile_worker to ${role}`,
@@ -44,6 +46,7 @@ t.test(`a role limited to ${CONNECTION_LIMIT} connections, a pool of 10, many re
   );
   const limitedUrl = new URL(url);
   limitedUrl.username = role;
+  limitedUrl.password = password;
 
   const gateway = await startTestGateway(t, {
     databaseUrl: limitedUrl.toString(),
