@@ -6,7 +6,7 @@ import t from 'tap';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
 import { freePort } from './helpers/ports.ts';
-import { spawnServe } from './helpers/serve.ts';
+import { serveSettings, spawnServe } from './helpers/serve.ts';
 import { until } from './helpers/wait.ts';
 
 t.test('two API processes and a worker, started by one gateway serve', async (t) => {
@@ -15,15 +15,11 @@ t.test('two API processes and a worker, started by one gateway serve', async (t)
   const key = await setup.createKey();
   const port = await freePort();
   const metricsPort = await freePort();
-  const serve = spawnServe(t, {
-    DATABASE_URL: setup.databaseUrl,
-    SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
-    PORT: String(port),
+  const serve = spawnServe(t, serveSettings(setup, port, {
     METRICS_PORT: String(metricsPort),
-    HOST: '127.0.0.1',
     API_PROCESSES: '2',
     LOG_LEVEL: 'info',
-  });
+  }));
   const { child, output } = serve;
   const waitUntil = (condition: () => boolean, what: string) =>
     until(condition, () => `${what}:\n${output()}`, 10_000);
@@ -70,15 +66,11 @@ t.test('METRICS_TOKEN without METRICS_PORT: any API process answers /metrics for
   await setup.stop();
   const key = await setup.createKey();
   const port = await freePort();
-  const serve = spawnServe(t, {
-    DATABASE_URL: setup.databaseUrl,
-    SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
-    PORT: String(port),
+  const serve = spawnServe(t, serveSettings(setup, port, {
     METRICS_TOKEN: 'cluster-scrape-token',
-    HOST: '127.0.0.1',
     API_PROCESSES: '2',
     LOG_LEVEL: 'info',
-  }, ['--role', 'api']);
+  }), ['--role', 'api']);
   await until(() => serve.output().includes('API processes listening'), () => `the API processes:\n${serve.output()}`, 10_000);
   const url = `http://127.0.0.1:${port}`;
   const client = clientFor(url, key);

@@ -3,7 +3,8 @@
 // 10 s of the kill (with the default WORKER_DEAD_AFTER_MS), the lost attempts recorded as
 // worker_lost, and none run once it has ended.
 import t from 'tap';
-import { call, inBatches, spread, tally } from './support/client.ts';
+import { inBatches } from '../helpers/concurrency.ts';
+import { call, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { waitFor } from '../helpers/wait.ts';
 import { sleep } from './support/processes.ts';

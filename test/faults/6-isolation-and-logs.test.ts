@@ -7,7 +7,8 @@
 import t from 'tap';
 import { newRequestId } from '../../src/ids.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
-import { call, inBatches, tally, type Call } from './support/client.ts';
+import { inBatches } from '../helpers/concurrency.ts';
+import { call, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { waitUntilTerminal } from './support/rows.ts';
 import { searchLogs } from './support/logs.ts';

@@ -1,5 +1,6 @@
 // `gateway serve` as a child process of the test, its output (stdout and stderr) collected.
 import { spawn, type ChildProcess } from 'node:child_process';
+import type { Config } from '../../src/config.ts';
 
 interface Teardown {
   teardown(fn: () => Promise<void> | void): void;
@@ -31,4 +32,22 @@ export function spawnServe(t: Teardown, env: Record<string, string>, args: strin
     if (child.exitCode === null && child.signalCode === null) child.kill('SIGKILL');
   });
   return { child, output: () => output, exited };
+}
+
+/**
+ * The settings of a `gateway serve` child that shares a test gateway's database and encryption
+ * key, listening on `port` on loopback; `settings` add to them or override them.
+ */
+export function serveSettings(
+  gateway: { databaseUrl: string; config: Pick<Config, 'secretEncryptionKey'> },
+  port: number,
+  settings: Record<string, string> = {},
+): Record<string, string> {
+  return {
+    DATABASE_URL: gateway.databaseUrl,
+    SECRET_ENCRYPTION_KEY: gateway.config.secretEncryptionKey!.toString('base64'),
+    PORT: String(port),
+    HOST: '127.0.0.1',
+    ...settings,
+  };
 }

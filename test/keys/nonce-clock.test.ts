@@ -6,7 +6,7 @@ import { deleteExpiredNonces } from '../../src/keys/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { send, userMessage } from '../helpers/http.ts';
 import { freePort } from '../helpers/ports.ts';
-import { spawnServe } from '../helpers/serve.ts';
+import { serveSettings, spawnServe } from '../helpers/serve.ts';
 import { signature } from '../helpers/signing.ts';
 import { until } from '../helpers/wait.ts';
 
@@ -20,14 +20,10 @@ t.test('an API clock 295 s behind the database: a replay inside the signature wi
   const skewed = new URL('../helpers/skewed-clock.ts', import.meta.url).pathname;
   const api = spawnServe(
     t,
-    {
-      DATABASE_URL: setup.databaseUrl,
-      SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
-      PORT: String(port),
-      HOST: '127.0.0.1',
+    serveSettings(setup, port, {
       NODE_OPTIONS: `--import ${skewed}`,
       TEST_CLOCK_OFFSET_MS: String(SKEW_MS),
-    },
+    }),
     ['--role', 'api'],
   );
   await until(() => api.output().includes('gateway started'), () => `the API:\n${api.output()}`, 15_000);

@@ -6,7 +6,7 @@ import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { freePort } from '../helpers/ports.ts';
 import { countRows } from '../helpers/rows.ts';
-import { spawnServe } from '../helpers/serve.ts';
+import { serveSettings, spawnServe } from '../helpers/serve.ts';
 import { until } from '../helpers/wait.ts';
 
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -76,15 +76,11 @@ t.test('with two API processes, the 429s come within 10 % of RATE_LIMIT_RPS', as
   const rate = 50;
   const serve = spawnServe(
     t,
-    {
-      DATABASE_URL: setup.databaseUrl,
-      SECRET_ENCRYPTION_KEY: setup.config.secretEncryptionKey!.toString('base64'),
-      PORT: String(port),
-      HOST: '127.0.0.1',
+    serveSettings(setup, port, {
       API_PROCESSES: '2',
       LOG_LEVEL: 'info',
       RATE_LIMIT_RPS: String(rate),
-    },
+    }),
     ['--role', 'api'],
   );
   await until(() => serve.output().includes('API processes listening'), () => `the API processes:\n${serve.output()}`, 15_000);

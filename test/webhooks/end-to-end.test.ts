@@ -8,7 +8,8 @@ import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { spawnServe, type ServeProcess } from '../helpers/serve.ts';
 import { until } from '../helpers/wait.ts';
-import { addTestEndpoint, dataText, inBatches, messagesOf, startReceiver, triesOf, type Delivery } from './support.ts';
+import { inBatches } from '../helpers/concurrency.ts';
+import { addTestEndpoint, dataText, messagesOf, startReceiver, triesOf, type Delivery } from './support.ts';
 
 /** Deliveries to loopback receivers, retried quickly. */
 const WEBHOOK_SETTINGS = { WEBHOOK_ALLOW_PRIVATE: 'true', WEBHOOK_RETRY_SCHEDULE: '100,200,400' };

@@ -256,21 +256,6 @@ export async function metricValue(metrics: Metrics, sample: string): Promise<num
   return 0;
 }
 
-/** Maps `items` through `task`, at most `concurrency` at a time, keeping their order. */
-export async function inBatches<T, R>(items: readonly T[], concurrency: number, task: (item: T, index: number) => Promise<R>): Promise<R[]> {
-  const results: R[] = new Array(items.length);
-  let next = 0;
-  await Promise.all(
-    Array.from({ length: Math.min(concurrency, items.length) }, async () => {
-      while (next < items.length) {
-        const index = next++;
-        results[index] = await task(items[index]!, index);
-      }
-    }),
-  );
-  return results;
-}
-
 /** The data of a delivery's body, as the text it carries (the body is `{"type",...,"data":<record>}`). */
 export function dataText(body: string): string {
   const at = body.indexOf(',"data":');

@@ -83,21 +83,6 @@ export function loadLoops(concurrency: number, task: (loop: number) => Promise<v
   };
 }
 
-/** Maps `items` through `task`, at most `concurrency` at a time, keeping their order. */
-export async function inBatches<T, R>(items: T[], concurrency: number, task: (item: T, index: number) => Promise<R>): Promise<R[]> {
-  const results: R[] = new Array(items.length);
-  let next = 0;
-  await Promise.all(
-    Array.from({ length: Math.min(concurrency, items.length) }, async () => {
-      while (next < items.length) {
-        const index = next++;
-        results[index] = await task(items[index]!, index);
-      }
-    }),
-  );
-  return results;
-}
-
 /** Counts of each value, as "value: n" sorted by value, for t.comment. */
 export function tally(values: Iterable<string | number>): string {
   const counts = new Map<string, number>();
