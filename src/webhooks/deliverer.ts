@@ -34,8 +34,8 @@ import {
 
 export interface WebhookDelivererOptions {
   db: Db;
-  /** secretEncryptionKeys (all the keys that decrypt, while they are rotated): secretEncryptionKey alone when absent. */
-  config: Pick<Config, 'webhooks' | 'secretEncryptionKey' | 'shutdownGraceMs'> & Partial<Pick<Config, 'secretEncryptionKeys'>>;
+  /** secretEncryptionKeys: every key that may decrypt the endpoints' secrets (empty: none set, nothing is sent). */
+  config: Pick<Config, 'webhooks' | 'secretEncryptionKeys' | 'shutdownGraceMs'>;
   /** The owner of this process's tries (webhook_messages.worker_id): the dispatcher's workerId. */
   workerId: string;
   metrics: Metrics;
@@ -146,8 +146,8 @@ export class WebhookDeliverer {
       await this.#db(() => addDeliveryJob(db, messageId, 0));
       return 'deferred';
     }
-    const encryptionKey = config.secretEncryptionKey;
-    if (!encryptionKey) {
+    const encryptionKeys = config.secretEncryptionKeys;
+    if (encryptionKeys.length === 0) {
       if (!this.#toldNoKey) {
         this.#toldNoKey = true;
         this.#log.error('SECRET_ENCRYPTION_KEY is not set in this worker: webhooks cannot be signed; their messages wait until it is');
@@ -172,7 +172,7 @@ export class WebhookDeliverer {
       return 'abandoned';
     }
     if (claim.kind === 'nothing') return 'nothing';
-    this.#fly(claim.message, encryptionKey);
+    this.#fly(claim.message, encryptionKeys);
     return 'started';
   }
 
@@ -209,11 +209,11 @@ export class WebhookDeliverer {
     await this.#agent.destroy();
   }
 
-  #fly(message: ClaimedMessage, encryptionKey: Buffer): void {
+  #fly(message: ClaimedMessage, encryptionKeys: readonly Buffer[]): void {
     const key = `${message.id}:${message.tries}`;
     const controller = new AbortController();
     const timer = setTimeout(() => controller.abort(ABORTED_BY_TIMEOUT), this.#options.config.webhooks.timeoutMs);
-    const done = this.#try(message, encryptionKey, controller.signal).finally(() => {
+    const done = this.#try(message, encryptionKeys, controller.signal).finally(() => {
       clearTimeout(timer);
       this.#tries.delete(key);
     });
@@ -221,11 +221,11 @@ export class WebhookDeliverer {
   }
 
   /** One try: send, then record how it went. Never rejects. */
-  async #try(message: ClaimedMessage, encryptionKey: Buffer, signal: AbortSignal): Promise<void> {
+  async #try(message: ClaimedMessage, encryptionKeys: readonly Buffer[], signal: AbortSignal): Promise<void> {
     const begun = performance.now();
     let answer: Answer;
     try {
-      answer = await this.#send(message, encryptionKey, signal);
+      answer = await this.#send(message, encryptionKeys, signal);
     } catch (error) {
       // A bug on our side (#send classifies every failure it knows): the try still ends, and the
       // message is retried on the schedule.
@@ -267,17 +267,17 @@ export class WebhookDeliverer {
     }
   }
 
-  async #send(message: ClaimedMessage, encryptionKey: Buffer, signal: AbortSignal): Promise<Answer> {
+  async #send(message: ClaimedMessage, encryptionKeys: readonly Buffer[], signal: AbortSignal): Promise<Answer> {
     let secrets: string[];
     try {
       secrets = [message.secret_ciphertext, message.previous_secret_ciphertext]
         .filter((sealed): sealed is Buffer => sealed !== null)
-        .map((sealed) => decryptSecret(sealed, message.endpoint_id, this.#options.config.secretEncryptionKeys ?? encryptionKey));
+        .map((sealed) => decryptSecret(sealed, message.endpoint_id, encryptionKeys));
     } catch {
       return {
         kind: 'failed',
         httpStatus: null,
-        error: "the endpoint's secret could not be decrypted: SECRET_ENCRYPTION_KEY is not the key it was stored with",
+        error: "the endpoint's secret could not be decrypted: no key of SECRET_ENCRYPTION_KEY(S) is the one it was stored with",
       };
     }
     const body = eventBody(message);

@@ -227,7 +227,12 @@ export function testDeliverer(
     db: gateway.db,
     config: {
       webhooks: { allowPrivate: true, timeoutMs: 2_000, retryScheduleMs: [100, 200, 400], maxInFlight: 100, ...options.webhooks },
-      secretEncryptionKey: 'secretEncryptionKey' in options ? options.secretEncryptionKey : gateway.config.secretEncryptionKey,
+      secretEncryptionKeys:
+        'secretEncryptionKey' in options
+          ? options.secretEncryptionKey
+            ? [options.secretEncryptionKey]
+            : []
+          : gateway.config.secretEncryptionKeys,
       shutdownGraceMs: options.shutdownGraceMs ?? 1_000,
     },
     workerId: options.workerId ?? `worker-test-${randomBytes(4).toString('hex')}`,
