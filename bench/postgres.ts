@@ -107,14 +107,17 @@ export async function withClient<T>(url: string, run: (client: pg.Client) => Pro
 /** The database's connections, other than the benchmark's own. */
 export interface Connections {
   total: number;
-  /** Connections whose last statement was a LISTEN. */
+  /**
+   * LISTEN connections: each process's gateway-listen (it listens first, then runs only its
+   * liveness round trips), or any connection whose last statement was a LISTEN.
+   */
   listening: number;
   byApplication: Record<string, number>;
 }
 
 export async function connectionsOf(client: pg.Client, database: string): Promise<Connections> {
   const { rows } = await client.query<{ application_name: string; listening: boolean; count: string }>(
-    `select application_name, query ilike 'listen %' as listening, count(*) as count
+    `select application_name, (application_name = 'gateway-listen' or query ilike 'listen %') as listening, count(*) as count
      from pg_stat_activity
      where datname = $1 and application_name <> $2 and backend_type = 'client backend'
      group by 1, 2 order by 1`,
