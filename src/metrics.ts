@@ -2,8 +2,6 @@
 // statuses, modes, outcomes and error codes: never a key, id, project or message.
 import client from 'prom-client';
 import type pg from 'pg';
-import { SIMULATOR } from './upstream/upstreams.ts';
-import type { Usage } from './upstream/outcome.ts';
 
 const PREFIX = 'gateway_';
 
@@ -130,13 +128,6 @@ export class Metrics {
         for (const mode of ['live', 'test'] as const) this.set({ mode }, dispatcher.inFlight(mode));
       },
     });
-  }
-
-  /** Counts a completion's usage (gateway_tokens_total). */
-  countTokens(target: { mode: string; upstream: { name: string } | undefined; modelLabel: string }, usage: Usage): void {
-    const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
-    if (usage.prompt !== null) this.tokens.inc({ ...labels, kind: 'prompt' }, usage.prompt);
-    if (usage.completion !== null) this.tokens.inc({ ...labels, kind: 'completion' }, usage.completion);
   }
 
   /** A gauge read from `source.size` at each scrape. */

@@ -123,12 +123,14 @@ export class KeyCache {
   }
 
   /**
-   * The key read by `read` (undefined: no such key, or revoked) and cached (a miss briefly),
-   * the one read shared by the callers that miss it until it is done. A caller that comes after
+   * The key read by `read` (undefined: no such key, or revoked) and cached (a miss briefly: a key
+   * missed a moment ago is not read again), the one read shared by the callers that miss it
+   * until it is done. A caller that comes after
    * an invalidation starts a read of its own: it must see the key as it is since then.
    */
   read(keySha256: Buffer, read: () => Promise<Auth | undefined>): Promise<Auth | undefined> {
     if (!this.#listener.listening) return read();
+    if (this.missed(keySha256)) return Promise.resolve(undefined);
     const sha = keySha256.toString('hex');
     const shared = this.#reading.get(sha);
     if (shared && shared.announcements === this.#announcements) return shared.promise;

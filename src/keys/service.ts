@@ -89,7 +89,7 @@ export async function authenticate(
   const cached = cache?.get(keySha256);
   if (cached) return cached;
   const read = () => readKey(db, keySha256);
-  const auth = cache?.missed(keySha256) ? undefined : await (cache ? cache.read(keySha256, read) : read());
+  const auth = await (cache ? cache.read(keySha256, read) : read());
   if (auth === undefined) {
     onUnknown?.();
     throw invalidApiKey();

@@ -19,7 +19,7 @@ import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import type { StartedAttempt } from '../lanes/repository.ts';
-import type { Upstream } from '../upstream/upstreams.ts';
+import { SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { UpstreamClient } from '../upstream/openai.ts';
@@ -122,7 +122,10 @@ export function createAttempts(deps: AttemptDeps): Attempts {
         const { usage } = outcome;
         const done = await record({ kind: 'completed', id: started.id, attempt: started.attempt, result: outcome.result, usage, upstreamStatus: outcome.upstreamStatus, durationMs });
         if (done) {
-          deps.metrics.countTokens(target, usage);
+          // gateway_tokens_total: a completion's usage, by its lane.
+          const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
+          if (usage.prompt !== null) deps.metrics.tokens.inc({ ...labels, kind: 'prompt' }, usage.prompt);
+          if (usage.completion !== null) deps.metrics.tokens.inc({ ...labels, kind: 'completion' }, usage.completion);
           finished(started.id);
         }
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
