@@ -65,7 +65,7 @@ t.test("a result may come after its group's statement: the next group does not w
 });
 
 t.test('one bad item fails alone: its neighbours are written again one by one', async (t) => {
-  const { release, write } = recordingWrite<number>();
+  const { groups, release, write } = recordingWrite<number>();
   const batcher = new Batcher<number, boolean>(
     async (items) => {
       if (items.includes(13)) throw new Error('bad item');
@@ -78,4 +78,5 @@ t.test('one bad item fails alone: its neighbours are written again one by one', 
   release();
   await first;
   t.same((await settled).map((result) => result.status), ['fulfilled', 'rejected', 'fulfilled']);
+  t.same(groups, [[0], [12], [14]], 'the group of three failed; 12 and 14 were then written alone');
 });

@@ -252,6 +252,8 @@ t.test('a miss is not remembered while notifications could be missed, nor past i
   listener.listening = false;
   await cache.read(sha(4), read);
   t.notOk(cache.missed(sha(4)), 'nothing remembered without notifications');
+  listener.listening = true;
+  t.notOk(cache.missed(sha(4)), 'nor found once they can be heard again');
   t.equal(reads, 4);
 });
 

@@ -79,6 +79,4 @@ t.test(`a role limited to ${CONNECTION_LIMIT} connections, a pool of 10, many re
   );
   t.notOk(gateway.logs.some((line) => line.includes('unhandled error')), 'no unhandled error logged');
   t.ok(gateway.logs.some((line) => line.includes('"code":"53300"')), 'the cause logged: 53300, too many connections');
-  const { rows } = await adminPool.query(`select count(*)::int as connections from pg_stat_activity where usename = $1`, [role]);
-  t.ok(rows[0].connections <= CONNECTION_LIMIT, `the role never had more than its ${CONNECTION_LIMIT} connections (${rows[0].connections} now)`);
 });
