@@ -27,7 +27,7 @@ import { hostname } from 'node:os';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
-import { addDispatch, claimLane, findLane, type Lane, type StartedAttempt } from '../lanes/repository.ts';
+import { addDispatch, claimLane, findLane, type Lane, type LaneClaim, type StartedAttempt } from '../lanes/repository.ts';
 import { findEnded } from './attempts-repository.ts';
 import { modelLabel } from '../lanes/routing.ts';
 import { SIMULATOR, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
@@ -81,6 +81,12 @@ export class Dispatcher {
   /** Lanes whose last dispatch stopped for this process's capacity, by mode. */
   readonly #waitingForCapacity: Record<KeyMode, Set<LaneSlot>> = { live: new Set(), test: new Set() };
   readonly #inFlight: Record<KeyMode, number> = { live: 0, test: 0 };
+  /**
+   * Room promised to claims under way, by mode: from before a claim until each call it started
+   * is in flight. Dispatches of several lanes run at once; without this, each would count the
+   * same room free, and together start more calls than the capacity.
+   */
+  readonly #reserved: Record<KeyMode, number> = { live: 0, test: 0 };
   /** Calls in flight, by request id. */
   readonly #calls = new Map<string, { controller: AbortController; done: Promise<unknown> }>();
   #stopping = false;
@@ -205,7 +211,7 @@ export class Dispatcher {
     if (!route) return;
     const mode = route.target.mode;
     for (;;) {
-      const room = this.#options.capacity[mode] - this.#inFlight[mode];
+      const room = this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode];
       const waiting = this.#waitingForCapacity[mode];
       if (room <= 0) {
         if (!waiting.has(lane)) {
@@ -216,16 +222,41 @@ export class Dispatcher {
         return;
       }
       waiting.delete(lane);
-      const claim = await this.#db(() => claimLane(db, lane.id, Math.min(room, CLAIM_BATCH), this.workerId, route.limits));
-      for (const [index, started] of claim.started.entries()) {
-        // A claim can start hundreds of calls: their outcomes and the other lanes get a turn.
-        if (index > 0 && index % START_SLICE === 0) await new Promise((resolve) => setImmediate(resolve));
-        this.#fly(lane, route, started);
-      }
+      const claim = await this.#claimAndStart(lane, route, Math.min(room, CLAIM_BATCH));
       // Done when nothing due is left, when the limits hold the rest back (a dispatch is
       // scheduled for when they allow more), or when only ending calls make room.
       if (!claim.waiting || claim.roomAt !== undefined || claim.started.length === 0) return;
     }
+  }
+
+  /** Claims up to `max` of the lane's waiting requests, with that much room reserved, and starts their calls. */
+  async #claimAndStart(lane: LaneSlot, route: Route, max: number): Promise<LaneClaim> {
+    const { mode } = route.target;
+    let reserved = max;
+    this.#reserved[mode] += reserved;
+    try {
+      const claim = await this.#db(() => claimLane(this.#options.db, lane.id, max, this.workerId, route.limits));
+      this.#release(mode, reserved - claim.started.length);
+      reserved = claim.started.length;
+      for (const [index, started] of claim.started.entries()) {
+        // A claim can start hundreds of calls: their outcomes and the other lanes get a turn.
+        if (index > 0 && index % START_SLICE === 0) await new Promise((resolve) => setImmediate(resolve));
+        this.#reserved[mode]--;
+        reserved--;
+        this.#fly(lane, route, started);
+      }
+      return claim;
+    } finally {
+      this.#release(mode, reserved);
+    }
+  }
+
+  /** Gives back room reserved and not used: the lanes that were waiting for room are dispatched. */
+  #release(mode: KeyMode, room: number): void {
+    if (room <= 0) return;
+    this.#reserved[mode] -= room;
+    if (this.#stopping) return;
+    for (const waiting of this.#waitingForCapacity[mode]) this.poke(waiting.id);
   }
 
   #fly(lane: LaneSlot, { target, limits }: Route, started: StartedAttempt): void {

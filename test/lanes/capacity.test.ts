@@ -20,6 +20,25 @@ t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, ch
   t.equal(rows[0].count, 0, 'each in one attempt');
 });
 
+t.test('MAX_IN_FLIGHT holds while many lanes are dispatched at once: their claims never take the same room twice', async (t) => {
+  const upstream = await startLimitedUpstream(t, { delayMs: 500 });
+  const env = { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_IN_FLIGHT: '5', WORKER_CONCURRENCY: '16' };
+  const api = await startTestGateway(t, { role: 'api', env });
+  const client = clientFor(api.url, await api.createKey({ mode: 'live' }));
+  // Eight models, eight lanes, ten requests each, all queued before the worker starts: its
+  // dispatch_lane jobs for the eight lanes run at the same time, each finding the same room.
+  const accepted = await Promise.all(
+    Array.from({ length: 80 }, (_, i) => client.post({ model: `gpt-lane-${i % 8}`, messages: userMessage(`n${i}`) })),
+  );
+  t.same(new Set(accepted.map((answer) => answer.status)), new Set([202]), 'all 80 accepted');
+  await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env });
+  await until(async () => {
+    const { rows } = await api.pool.query(`select count(*)::int as count from gateway.requests where status = 'completed'`);
+    return rows[0].count === 80;
+  }, 'all 80 completed', 30_000);
+  t.equal(upstream.peakInFlight(), 5, `five calls at once, never more (${upstream.peakInFlight()} at the most)`);
+});
+
 t.test('test traffic at full load leaves live latency unchanged', async (t) => {
   const upstream = await startLimitedUpstream(t, { delayMs: 200 });
   const gateway = await startTestGateway(t, {
