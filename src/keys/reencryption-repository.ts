@@ -15,6 +15,20 @@ export interface SealedWebhookSecrets {
   previous_secret_ciphertext: Buffer | null;
 }
 
+/** A signing secret to write: the ciphertext read, and the one to put in its place. */
+export interface SigningSecretChange {
+  id: string;
+  read: Buffer;
+  sealed: Buffer;
+}
+
+/** An endpoint's secrets to write (the current and the previous one): as read, and what to put in their place. */
+export interface WebhookSecretsChange {
+  id: string;
+  read: [Buffer, Buffer | null];
+  sealed: [Buffer, Buffer | null];
+}
+
 /** Up to `limit` keys' encrypted signing secrets, by id, after `afterId` (or by those ids). */
 export async function readSigningSecrets(
   db: Db,
@@ -28,7 +42,7 @@ export async function readSigningSecrets(
 /** Writes each new ciphertext where the row still has the one read; returns the ids written. */
 export async function replaceSigningSecrets(
   db: Db,
-  changes: { id: string; read: Buffer; sealed: Buffer }[],
+  changes: SigningSecretChange[],
 ): Promise<Set<string>> {
   if (changes.length === 0) return new Set();
   const { rows } = await sql<{ id: string }>`
@@ -64,7 +78,7 @@ export async function readWebhookSecrets(
  */
 export async function replaceWebhookSecrets(
   db: Db,
-  changes: { id: string; read: [Buffer, Buffer | null]; sealed: [Buffer, Buffer | null] }[],
+  changes: WebhookSecretsChange[],
 ): Promise<Set<string>> {
   if (changes.length === 0) return new Set();
   const { rows } = await sql<{ id: string }>`

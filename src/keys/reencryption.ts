@@ -53,60 +53,72 @@ export async function reencryptSecrets(
   const batchSize = options.batchSize ?? BATCH;
   const undecryptable: string[] = [];
 
-  const signingSecrets: Reencryption = { reencrypted: 0, current: 0 };
-  for (let afterId = ''; ; ) {
-    let rows = await repository.readSigningSecrets(db, { afterId, limit: batchSize });
-    if (rows.length === 0) break;
-    afterId = rows.at(-1)!.id;
-    while (rows.length > 0) {
-      const changes: Parameters<typeof repository.replaceSigningSecrets>[1] = [];
-      for (const row of rows) {
-        const resealed = reseal(row.signing_secret_ciphertext, row.id, keys);
-        if (resealed.kind === 'current') signingSecrets.current++;
-        else if (resealed.kind === 'undecryptable') undecryptable.push(row.id);
-        else changes.push({ id: row.id, read: row.signing_secret_ciphertext, sealed: resealed.sealed });
-      }
-      const written = await repository.replaceSigningSecrets(db, changes);
-      signingSecrets.reencrypted += written.size;
-      // Changed since it was read (another run of this command): read again.
-      const changed = changes.filter((change) => !written.has(change.id)).map((change) => change.id);
-      rows = changed.length === 0 ? [] : await repository.readSigningSecrets(db, { ids: changed });
-    }
-  }
+  const signingSecrets = await reencryptTable<repository.SealedSigningSecret, repository.SigningSecretChange>({
+    batchSize,
+    undecryptable,
+    read: (from) => repository.readSigningSecrets(db, from),
+    replace: (changes) => repository.replaceSigningSecrets(db, changes),
+    plan: (row) => {
+      const resealed = reseal(row.signing_secret_ciphertext, row.id, keys);
+      if (resealed.kind !== 'resealed') return resealed.kind;
+      return { id: row.id, read: row.signing_secret_ciphertext, sealed: resealed.sealed };
+    },
+  });
 
-  const webhookEndpoints: Reencryption = { reencrypted: 0, current: 0 };
-  for (let afterId = ''; ; ) {
-    let rows = await repository.readWebhookSecrets(db, { afterId, limit: batchSize });
-    if (rows.length === 0) break;
-    afterId = rows.at(-1)!.id;
-    while (rows.length > 0) {
-      const changes: Parameters<typeof repository.replaceWebhookSecrets>[1] = [];
-      for (const row of rows) {
-        const secret = reseal(row.secret_ciphertext, row.id, keys);
-        const previous: Resealed | undefined =
-          row.previous_secret_ciphertext === null ? undefined : reseal(row.previous_secret_ciphertext, row.id, keys);
-        if (secret.kind === 'undecryptable' || previous?.kind === 'undecryptable') {
-          undecryptable.push(row.id);
-        } else if (secret.kind === 'current' && (previous === undefined || previous.kind === 'current')) {
-          webhookEndpoints.current++;
-        } else {
-          changes.push({
-            id: row.id,
-            read: [row.secret_ciphertext, row.previous_secret_ciphertext],
-            sealed: [
-              secret.kind === 'resealed' ? secret.sealed : row.secret_ciphertext,
-              previous?.kind === 'resealed' ? previous.sealed : row.previous_secret_ciphertext,
-            ],
-          });
-        }
-      }
-      const written = await repository.replaceWebhookSecrets(db, changes);
-      webhookEndpoints.reencrypted += written.size;
-      // Rotated since it was read: read again.
-      const changed = changes.filter((change) => !written.has(change.id)).map((change) => change.id);
-      rows = changed.length === 0 ? [] : await repository.readWebhookSecrets(db, { ids: changed });
-    }
-  }
+  const webhookEndpoints = await reencryptTable<repository.SealedWebhookSecrets, repository.WebhookSecretsChange>({
+    batchSize,
+    undecryptable,
+    read: (from) => repository.readWebhookSecrets(db, from),
+    replace: (changes) => repository.replaceWebhookSecrets(db, changes),
+    plan: (row) => {
+      const secret = reseal(row.secret_ciphertext, row.id, keys);
+      const previous: Resealed | undefined =
+        row.previous_secret_ciphertext === null ? undefined : reseal(row.previous_secret_ciphertext, row.id, keys);
+      if (secret.kind === 'undecryptable' || previous?.kind === 'undecryptable') return 'undecryptable';
+      if (secret.kind === 'current' && (previous === undefined || previous.kind === 'current')) return 'current';
+      return {
+        id: row.id,
+        read: [row.secret_ciphertext, row.previous_secret_ciphertext],
+        sealed: [
+          secret.kind === 'resealed' ? secret.sealed : row.secret_ciphertext,
+          previous?.kind === 'resealed' ? previous.sealed : row.previous_secret_ciphertext,
+        ],
+      };
+    },
+  });
 
   return { signingSecrets, webhookEndpoints, undecryptable };
+}
+
+/**
+ * One table's secrets, batch by batch along the primary key: each row planned (already under the
+ * first key, undecryptable, or a change), the changes written where the row is still as read, and
+ * the rows changed meanwhile (another run of this command, a rotation) read and planned again.
+ */
+async function reencryptTable<Row extends { id: string }, Change extends { id: string }>(table: {
+  batchSize: number;
+  undecryptable: string[];
+  read: (from: { afterId: string; limit: number } | { ids: string[] }) => Promise<Row[]>;
+  replace: (changes: Change[]) => Promise<Set<string>>;
+  plan: (row: Row) => 'current' | 'undecryptable' | Change;
+}): Promise<Reencryption> {
+  const counts: Reencryption = { reencrypted: 0, current: 0 };
+  for (let afterId = ''; ; ) {
+    let rows = await table.read({ afterId, limit: table.batchSize });
+    if (rows.length === 0) return counts;
+    afterId = rows.at(-1)!.id;
+    while (rows.length > 0) {
+      const changes: Change[] = [];
+      for (const row of rows) {
+        const planned = table.plan(row);
+        if (planned === 'current') counts.current++;
+        else if (planned === 'undecryptable') table.undecryptable.push(row.id);
+        else changes.push(planned);
+      }
+      const written = await table.replace(changes);
+      counts.reencrypted += written.size;
+      const changed = changes.filter((change) => !written.has(change.id)).map((change) => change.id);
+      rows = changed.length === 0 ? [] : await table.read({ ids: changed });
+    }
+  }
 }

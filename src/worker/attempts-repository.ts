@@ -78,7 +78,7 @@ export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promi
       from input
       where requests.id = input.id and requests.attempts = input.attempt and requests.status = 'processing'
       returning requests.id, requests.status, requests.next_attempt_at, requests.lane_id,
-                -- (estimated as the claim did: lanes/repository.ts)
+                -- (estimated as gateway.claim_lane estimates it: sql/000008.sql)
                 requests.total_tokens
                   - coalesce(requests.prompt_tokens_estimate, octet_length(requests.body::text) / 4) as unestimated_tokens,
                 input.pause_ms
