@@ -188,6 +188,25 @@ t.test('once the schedule is spent, the message fails', async (t) => {
   t.same(await deliveryJobs(gateway.db), [], 'no job is left');
 });
 
+t.test('gateway.failing_webhook_endpoints: not an endpoint holding its first try, but one with messages left after a failed try', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ hang: true }));
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  const { runDueJobs } = testDeliverer(t, gateway, { webhooks: { retryScheduleMs: [60_000] } });
+  const failing = async () => (await gateway.pool.query('select * from gateway.failing_webhook_endpoints')).rows;
+
+  await endRequest(gateway, key, 'completed');
+  t.same(await runDueJobs(), ['started']);
+  await until(() => receiver.deliveries.length === 1, 'the receiver holds the first try');
+  t.match(await messagesOf(gateway.db), [{ status: 'delivering', tries: 1 }], 'the try in flight counted');
+  t.same(await failing(), [], 'an endpoint whose first try is in flight is not failing');
+
+  receiver.release({ status: 500 });
+  await until(async () => (await messagesOf(gateway.db))[0]!.status === 'pending', 'the try failed, a retry is due');
+  t.match(await failing(), [{ id: endpoint.id, disabled_at: null, pending_messages: '1', last_failure_status: 500, last_failure_error: 'HTTP 500' }], 'after a failed try, with a message left, it is');
+});
+
 t.test('no answer in time, a dropped connection, a refused one: failed tries, in our words', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
