@@ -1,9 +1,15 @@
 // SQL of cancelling a request (requests/service.ts): one statement ends the request and its
-// running attempt.
+// running attempt, and answers the request's record.
 import { sql } from 'kysely';
 import type { RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
+import type { RecordRow } from './record.ts';
+
+/** What a cancel found: a request that had ended completed or failed, or one cancelled now or before, with its record. */
+export type CancelOutcome =
+  | { previousStatus: 'completed' | 'failed' }
+  | { previousStatus: 'queued' | 'processing' | 'retrying' | 'cancelled'; record: RecordRow };
 
 /**
  * Cancels the caller's request (its project and mode) if it has not ended: a queued or retrying
@@ -11,16 +17,21 @@ import type { KeyMode } from '../ids.ts';
  * (the worker holding its call hears of the request's end and aborts it). The row is locked
  * first, so that an outcome being recorded at the same moment either lands before (and the
  * request ends completed or failed) or finds it cancelled, never both. Returns the status it
- * had, or undefined when there is no such request of the caller's.
+ * had, with the record of a request cancelled now or before; undefined when there is no such
+ * request of the caller's.
  */
 export async function cancelRequest(
   db: Db,
   scope: { project_id: string; mode: KeyMode },
   id: string,
-): Promise<RequestStatus | undefined> {
-  const { rows } = await sql<{ previous_status: RequestStatus }>`
+): Promise<CancelOutcome | undefined> {
+  // The update changes only status, updated_at and finished_at of the row locked by target: the
+  // record's other columns are target's. A cancelled request has no result
+  // (requests_result_when_completed), so the result is not read.
+  const { rows } = await sql<Omit<RecordRow, 'result'> & { previous_status: RequestStatus }>`
     with target as (
-      select requests.id, requests.status as previous_status
+      select requests.id, requests.status as previous_status, requests.attempts, requests.created_at,
+             requests.updated_at, requests.last_error_code
       from gateway.requests
       where requests.id = ${id} and requests.project_id = ${scope.project_id} and requests.mode = ${scope.mode}
       for update
@@ -29,7 +40,7 @@ export async function cancelRequest(
       set status = 'cancelled', finished_at = now(), next_attempt_at = null, updated_at = now()
       from target
       where requests.id = target.id and target.previous_status in ('queued', 'retrying', 'processing')
-      returning requests.id, requests.attempts
+      returning requests.id, requests.status, requests.attempts, requests.updated_at
     ), cut as (
       update gateway.request_attempts
       set outcome = 'cancelled', finished_at = now(),
@@ -39,7 +50,15 @@ export async function cancelRequest(
       where request_attempts.request_id = cancelled.id and request_attempts.attempt_number = cancelled.attempts
         and request_attempts.outcome = 'running'
     )
-    select target.previous_status from target
+    select target.previous_status, target.id, coalesce(cancelled.status, target.previous_status) as status,
+           target.attempts, target.created_at, coalesce(cancelled.updated_at, target.updated_at) as updated_at,
+           target.last_error_code
+    from target
+    left join cancelled on cancelled.id = target.id
   `.execute(db);
-  return rows[0]?.previous_status;
+  const row = rows[0];
+  if (row === undefined) return undefined;
+  const { previous_status: previousStatus, ...record } = row;
+  if (previousStatus === 'completed' || previousStatus === 'failed') return { previousStatus };
+  return { previousStatus, record: { ...record, result: null } };
 }

@@ -16,6 +16,7 @@ import type { Intake } from './intake.ts';
 import { cancelRequest } from './cancel-repository.ts';
 import { findAnswerByIdempotencyKey, type RequestAnswer } from './insert-repository.ts';
 import type { RequestRow } from './read-repository.ts';
+import type { RecordRow } from './record.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
 
@@ -212,21 +213,19 @@ export async function lookup(deps: Pick<RequestDeps, 'reads' | 'intake'>, auth: 
  * failed one is a 409; an unknown id, or one of another project or mode, a 404.
  */
 export async function cancel(
-  deps: Pick<RequestDeps, 'db' | 'reads' | 'intake' | 'metrics'>,
+  deps: Pick<RequestDeps, 'db' | 'intake' | 'metrics'>,
   auth: Auth,
   id: string,
   options: SubmitOptions = {},
-): Promise<RequestRow> {
+): Promise<RecordRow> {
   deps.intake?.admitLookup(auth);
   // A POST: its nonce is accepted once, as a submission's is.
   const nonce = nonceOf(auth, options.signature);
   if (nonce && !(await insertNonce(deps.db, nonce))) throw replayedRequest();
   if (!REQUEST_ID.test(id)) throw requestNotFound();
-  const previous = await cancelRequest(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
-  if (previous === undefined) throw requestNotFound();
-  if (previous === 'completed' || previous === 'failed') throw requestAlreadyFinished(previous);
-  if (previous !== 'cancelled') deps.metrics.cancelled.inc({ mode: auth.mode, from: previous });
-  const row = await deps.reads.submit(id);
-  if (row === undefined) throw requestNotFound();
-  return row;
+  const outcome = await cancelRequest(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
+  if (outcome === undefined) throw requestNotFound();
+  if (!('record' in outcome)) throw requestAlreadyFinished(outcome.previousStatus);
+  if (outcome.previousStatus !== 'cancelled') deps.metrics.cancelled.inc({ mode: auth.mode, from: outcome.previousStatus });
+  return outcome.record;
 }
