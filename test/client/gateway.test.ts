@@ -11,6 +11,7 @@ import {
   type ChatMessage,
 } from '../../src/client/index.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
+import { until } from '../helpers/wait.ts';
 import { signaturesOf, startFlakyProxy } from './proxy.ts';
 
 const messages = (content = 'Hello there'): ChatMessage[] => [{ role: 'user', content }];
@@ -167,12 +168,14 @@ t.test('retries through a 503 and a dropped connection make exactly one request'
 
 t.test('cancel: a running request becomes cancelled, a second cancel answers it again, a finished one throws ConflictError', async (t) => {
   const { gateway, client } = await setUp(t, { UPSTREAM_TIMEOUT_MS: '30000' });
-  const queued = await client.chat.completions.create({ model: 'test-delay-20000', messages: messages('too slow'), wait: false });
-  const cancelled = await client.requests.cancel(queued.id);
-  t.match(cancelled, { id: queued.id, status: 'cancelled' });
-  t.same(await client.requests.cancel(queued.id), cancelled, 'cancelling it again answers its record again');
-  t.match(await client.requests.poll(queued.id), { status: 'cancelled' }, 'poll ends on it');
-  t.match((await requestRows(gateway)).find((row) => row.id === queued.id), { status: 'cancelled' });
+  const running = await client.chat.completions.create({ model: 'test-delay-20000', messages: messages('too slow'), wait: false });
+  const statusOf = async (id: string) => (await requestRows(gateway)).find((row) => row.id === id)?.status;
+  await until(async () => (await statusOf(running.id)) === 'processing', 'the request to be processing', 10_000);
+  const cancelled = await client.requests.cancel(running.id);
+  t.match(cancelled, { id: running.id, status: 'cancelled', attempts: 1 }, 'cancelled during its first attempt');
+  t.same(await client.requests.cancel(running.id), cancelled, 'cancelling it again answers its record again');
+  t.match(await client.requests.poll(running.id), { status: 'cancelled' }, 'poll ends on it');
+  t.match((await requestRows(gateway)).find((row) => row.id === running.id), { status: 'cancelled' });
 
   const done = await client.chat.completions.create({ model: 'test-echo', messages: messages(), wait: false });
   await client.requests.poll(done.id);
