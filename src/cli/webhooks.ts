@@ -4,6 +4,7 @@ import { addEndpoint, listEndpoints, removeEndpoint, rotateSecret, type WebhookS
 import { CommandError, table } from './output.ts';
 import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
+import { WEBHOOK_ENDPOINT_ID } from '../ids.ts';
 
 export async function addWebhookCommand(
   db: Db,
@@ -88,6 +89,14 @@ export async function rotateWebhookSecretCommand(
   ].join('\n');
 }
 
+/** The one endpoint id of `webhooks <subcommand> <id>`; a UsageError for none, more, or one not shaped whe_... */
+function endpointIdOf(subcommand: string, positionals: string[]): string {
+  if (positionals.length !== 1) throw new UsageError(`webhooks ${subcommand} needs exactly one endpoint id.`);
+  const id = positionals[0]!;
+  if (!WEBHOOK_ENDPOINT_ID.test(id)) throw new UsageError(`webhooks ${subcommand}: ${id} is not an endpoint id (whe_...).`);
+  return id;
+}
+
 /** gateway webhooks add | list | remove | rotate-secret, from its arguments. */
 export function parseWebhooksCommand(args: string[]): AdminCommand {
   const [subcommand, ...rest] = args;
@@ -114,13 +123,13 @@ export function parseWebhooksCommand(args: string[]): AdminCommand {
     }
     case 'remove': {
       const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
-      if (positionals.length !== 1) throw new UsageError('webhooks remove needs exactly one endpoint id.');
-      return (db) => removeWebhookCommand(db, positionals[0]!, { json: values.json! });
+      const id = endpointIdOf('remove', positionals);
+      return (db) => removeWebhookCommand(db, id, { json: values.json! });
     }
     case 'rotate-secret': {
       const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
-      if (positionals.length !== 1) throw new UsageError('webhooks rotate-secret needs exactly one endpoint id.');
-      return (db, { config }) => rotateWebhookSecretCommand(db, config.secretEncryptionKey, positionals[0]!, { json: values.json! });
+      const id = endpointIdOf('rotate-secret', positionals);
+      return (db, { config }) => rotateWebhookSecretCommand(db, config.secretEncryptionKey, id, { json: values.json! });
     }
     default:
       throw new UsageError('webhooks takes add, list, remove or rotate-secret.');

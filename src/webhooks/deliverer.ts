@@ -105,8 +105,8 @@ export class WebhookDeliverer {
   readonly #options: WebhookDelivererOptions;
   readonly #log: Logger;
   readonly #agent: Agent;
-  /** Tries in flight, by message id and try number. */
-  readonly #tries = new Map<string, { controller: AbortController; done: Promise<void> }>();
+  /** Tries in flight: each one's abort controller, and the promise of its end. */
+  readonly #tries = new Map<AbortController, Promise<void>>();
   /** Claims under way (each may start a try): counted against the capacity, awaited by stop(). */
   readonly #claims = new Set<Promise<unknown>>();
   #stopping = false;
@@ -198,26 +198,25 @@ export class WebhookDeliverer {
   async #stop(): Promise<void> {
     this.#stopping = true;
     await Promise.allSettled([...this.#claims]);
-    const all = () => Promise.all([...this.#tries.values()].map((inFlight) => inFlight.done));
+    const all = () => Promise.all([...this.#tries.values()]);
     let timer: NodeJS.Timeout | undefined;
     const grace = new Promise<void>((resolve) => (timer = setTimeout(resolve, this.#options.config.shutdownGraceMs)));
     await Promise.race([all(), grace]);
     clearTimeout(timer);
-    for (const inFlight of this.#tries.values()) inFlight.controller.abort(ABORTED_BY_SHUTDOWN);
+    for (const controller of this.#tries.keys()) controller.abort(ABORTED_BY_SHUTDOWN);
     this.#abandoning.abort();
     await all();
     await this.#agent.destroy();
   }
 
   #fly(message: ClaimedMessage, encryptionKeys: readonly Buffer[]): void {
-    const key = `${message.id}:${message.tries}`;
     const controller = new AbortController();
     const timer = setTimeout(() => controller.abort(ABORTED_BY_TIMEOUT), this.#options.config.webhooks.timeoutMs);
     const done = this.#try(message, encryptionKeys, controller.signal).finally(() => {
       clearTimeout(timer);
-      this.#tries.delete(key);
+      this.#tries.delete(controller);
     });
-    this.#tries.set(key, { controller, done });
+    this.#tries.set(controller, done);
   }
 
   /** One try: send, then record how it went. Never rejects. */

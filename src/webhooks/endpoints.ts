@@ -13,12 +13,10 @@ import { MissingEncryptionKeyError, ProjectName } from '../keys/service.ts';
 import { ipLiteralOf, isForbiddenAddress } from './address.ts';
 import * as repository from './repository.ts';
 
-export type { EndpointListing } from './repository.ts';
-
-export const WEBHOOK_EVENTS: readonly WebhookEvent[] = ['request.completed', 'request.failed', 'request.cancelled'];
+const WEBHOOK_EVENTS: readonly WebhookEvent[] = ['request.completed', 'request.failed', 'request.cancelled'];
 
 /** How long the secret replaced by a rotation keeps signing beside the new one. */
-export const SECRET_OVERLAP_MS = 24 * 60 * 60 * 1000;
+const SECRET_OVERLAP_MS = 24 * 60 * 60 * 1000;
 
 // Standard Webhooks' secret format: whsec_ and the base64 of the key's bytes.
 const SECRET_BYTES = 32;

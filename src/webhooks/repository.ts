@@ -47,7 +47,7 @@ export async function listEndpoints(db: Db, projectName?: string): Promise<Endpo
   return query.execute();
 }
 
-export async function findEndpoint(db: Db, id: string): Promise<EndpointListing | undefined> {
+async function findEndpoint(db: Db, id: string): Promise<EndpointListing | undefined> {
   return listings(db).where('webhook_endpoints.id', '=', id).executeTakeFirst();
 }
 

@@ -121,6 +121,8 @@ t.test('webhooks mistakes get a message and a non-zero exit, not a stack trace',
     { args: ['webhooks', 'add', '--project', 'acme', '--url', 'https://x.example.com/'], env: { SECRET_ENCRYPTION_KEY: undefined }, code: 1, message: /SECRET_ENCRYPTION_KEY is not set/ },
     { args: ['webhooks', 'rotate-secret'], code: 2, message: /needs exactly one endpoint id/ },
     { args: ['webhooks', 'remove', 'a', 'b'], code: 2, message: /needs exactly one endpoint id/ },
+    { args: ['webhooks', 'remove', 'key_000000000000000000000000'], code: 2, message: /key_000000000000000000000000 is not an endpoint id \(whe_\.\.\.\)/ },
+    { args: ['webhooks', 'rotate-secret', 'whe_'], code: 2, message: /whe_ is not an endpoint id/ },
     { args: ['webhooks', 'frobnicate'], code: 2, message: /webhooks takes add, list, remove or rotate-secret/ },
     { args: ['webhooks', 'list', '--colour'], code: 2, message: /Unknown option/ },
   ];
