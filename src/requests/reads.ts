@@ -1,4 +1,4 @@
-// Reading requests by id for lookups, cancels and waits, concurrent reads together (see
+// Reading requests by id for lookups and waits, concurrent reads together (see
 // db/batcher.ts): one statement reads a group of up to 500 requests with their results, as long
 // as each result is small, as chat completions are. A larger result is left out of its group's
 // statement and read apart, in groups of GROUP_BYTES at most, a few at a time: however many

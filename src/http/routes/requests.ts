@@ -13,7 +13,7 @@ export function getRequest(deps: Pick<RequestDeps, 'reads' | 'intake'>): RouterM
   };
 }
 
-export function cancelRequest(deps: Pick<RequestDeps, 'db' | 'reads' | 'intake' | 'metrics'>): RouterMiddleware<GatewayState> {
+export function cancelRequest(deps: Pick<RequestDeps, 'db' | 'intake' | 'metrics'>): RouterMiddleware<GatewayState> {
   return async (ctx) => {
     const row = await cancel(deps, ctx.state.auth, ctx.params.id ?? '', { signature: ctx.state.signature });
     ctx.type = 'application/json';
