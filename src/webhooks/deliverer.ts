@@ -18,6 +18,7 @@ import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
+import { landWithin } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
@@ -198,14 +199,8 @@ export class WebhookDeliverer {
   async #stop(): Promise<void> {
     this.#stopping = true;
     await Promise.allSettled([...this.#claims]);
-    const all = () => Promise.all([...this.#tries.values()]);
-    let timer: NodeJS.Timeout | undefined;
-    const grace = new Promise<void>((resolve) => (timer = setTimeout(resolve, this.#options.config.shutdownGraceMs)));
-    await Promise.race([all(), grace]);
-    clearTimeout(timer);
-    for (const controller of this.#tries.keys()) controller.abort(ABORTED_BY_SHUTDOWN);
-    this.#abandoning.abort();
-    await all();
+    const tries = () => [...this.#tries].map(([controller, done]) => ({ controller, done }));
+    await landWithin(this.#options.config.shutdownGraceMs, tries, ABORTED_BY_SHUTDOWN, () => this.#abandoning.abort());
     await this.#agent.destroy();
   }
 

@@ -25,6 +25,7 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import { errorSummary, type Db } from '../db/pool.ts';
+import { landWithin } from '../grace.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import { addDispatch, claimLane, findLane, type Lane, type LaneClaim, type StartedAttempt } from '../lanes/repository.ts';
@@ -157,14 +158,9 @@ export class Dispatcher {
     this.#stopping = true;
     clearInterval(this.#polling);
     await Promise.all([...this.#lanes.values()].map((lane) => lane.loop));
-    const all = () => Promise.all([...this.#calls.values()].map((call) => call.done));
-    let timer: NodeJS.Timeout | undefined;
-    const grace = new Promise<void>((resolve) => (timer = setTimeout(resolve, this.#options.graceMs)));
-    await Promise.race([all(), grace]);
-    clearTimeout(timer);
-    for (const call of this.#calls.values()) call.controller.abort(ABORTED_BY_SHUTDOWN);
-    this.#options.attempts.abandonRecordings();
-    await all();
+    await landWithin(this.#options.graceMs, () => this.#calls.values(), ABORTED_BY_SHUTDOWN, () =>
+      this.#options.attempts.abandonRecordings(),
+    );
   }
 
   #lane(id: string): LaneSlot {
