@@ -1,5 +1,6 @@
 // A real OpenAI-compatible server on loopback, scripted by the test: each call to
-// POST /v1/chat/completions is answered by `reply`, which may also hang or drop the socket.
+// POST /v1/chat/completions is answered by `reply`, which may also hang, drop the socket, or send
+// the headers and the start of a body and hold the rest.
 import http from 'node:http';
 import { listenOnLoopback } from './ports.ts';
 
@@ -12,7 +13,7 @@ export interface ReceivedCall {
 }
 
 export type Reply =
-  | { status: number; json?: unknown; text?: string; headers?: Record<string, string> }
+  | { status: number; json?: unknown; text?: string; headers?: Record<string, string>; hold?: true }
   | { hang: true }
   | { reset: true };
 
@@ -49,7 +50,9 @@ export async function startFakeUpstream(
     }
     const body = answer.text ?? JSON.stringify(answer.json ?? {});
     response.writeHead(answer.status, { 'content-type': 'application/json', ...answer.headers });
-    response.end(body);
+    // hold: the body sent so far and never ended (its content-length, if given, never reached).
+    if (answer.hold) response.write(body);
+    else response.end(body);
   });
   const port = await listenOnLoopback(t, server);
   return { baseUrl: `http://127.0.0.1:${port}/v1`, calls };

@@ -167,14 +167,17 @@ t.test('a 2xx answer of 20 MiB: upstream_invalid_response past UPSTREAM_MAX_RESP
 });
 
 t.test('a 2xx answer that says it is larger than the limit (content-length) is not read at all', async (t) => {
-  const huge = `{"object":"chat.completion","id":"chatcmpl-1","choices":[],"padding":"${'x'.repeat(3 * 1024 * 1024)}"}`;
+  // The headers and the body's first bytes, the rest held back for good: only the content-length
+  // can end this attempt before the upstream timeout (reading the body would wait for it).
+  const timeoutMs = 5000;
   const { row, attempts } = await runAgainst(
     t,
-    () => ({ status: 200, text: huge, headers: { 'content-length': String(Buffer.byteLength(huge)) } }),
-    { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: '5000' },
+    () => ({ status: 200, text: '{"object":"chat.completion",', headers: { 'content-length': String(3 * 1024 * 1024) }, hold: true }),
+    { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: String(timeoutMs) },
   );
   t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });
-  t.match(attempts[0], { upstream_status: 200, error_detail: 'the 2xx body is larger than 2097152 bytes' });
+  t.match(attempts[0], { upstream_status: 200, error_code: 'upstream_invalid_response', error_detail: 'the 2xx body is larger than 2097152 bytes' });
+  t.ok(attempts[0]!.duration_ms! < timeoutMs / 2, `ended in ${attempts[0]!.duration_ms} ms, well before the ${timeoutMs} ms timeout`);
 });
 
 t.test('UPSTREAM_MAX_RESPONSE_BYTES sets the limit', async (t) => {
