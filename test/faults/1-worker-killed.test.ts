@@ -2,12 +2,12 @@
 // requests in flight, and started again. Every request must end, each attempted again within
 // 10 s of the kill (with the default WORKER_DEAD_AFTER_MS), the lost attempts recorded as
 // worker_lost, and none run once it has ended.
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { inBatches } from '../helpers/concurrency.ts';
 import { call, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { waitFor } from '../helpers/wait.ts';
-import { sleep } from './support/processes.ts';
 import { countWhere, lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
 import { privateContent } from './support/run.ts';
 

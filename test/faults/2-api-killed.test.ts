@@ -1,10 +1,10 @@
 // Fault 2: the API process is killed with SIGKILL while clients keep sending (wait=false and
 // wait=true), then started again. Every id a client received, in a 202 or a 200, must exist
 // and complete: an acknowledgement is only sent once the request is committed.
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { call, loadLoops, spread, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
-import { sleep } from './support/processes.ts';
 import { lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
 import { privateContent } from './support/run.ts';
 

@@ -3,13 +3,13 @@
 // process crashes; no acknowledged request is lost; within 5 s of its return the answers are
 // normal again; every wait=true request that was waiting gets its answer.
 import { randomBytes } from 'node:crypto';
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import type { CreatedKey } from '../../src/keys/service.ts';
 import { call, loadLoops, spread, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { errorShapeProblem } from './support/contract.ts';
 import { dedicatedPostgres } from './support/postgres.ts';
-import { sleep } from './support/processes.ts';
 import { lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from './support/rows.ts';
 import { privateContent } from './support/run.ts';
 

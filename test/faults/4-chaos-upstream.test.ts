@@ -5,12 +5,12 @@
 // than MAX_ATTEMPTS, completed with the upstream's completion verbatim.
 import { randomInt } from 'node:crypto';
 import { isDeepStrictEqual } from 'node:util';
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { BEHAVIOURS, RETRYABLE, startChaosUpstream, type ChaosCall } from './support/chaos-upstream.ts';
 import { inBatches } from '../helpers/concurrency.ts';
 import { call, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
-import { sleep } from './support/processes.ts';
 import { queueSummary, requestsWithAttempts, waitUntilTerminal, type RequestWithAttempts } from './support/rows.ts';
 import { privateContent, UPSTREAM_API_KEY } from './support/run.ts';
 

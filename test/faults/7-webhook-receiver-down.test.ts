@@ -7,7 +7,7 @@ import t from 'tap';
 import { addEndpoint } from '../../src/webhooks/endpoints.ts';
 import { call, spread, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
-import { sleep } from './support/processes.ts';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { queueSummary, waitUntilTerminal } from './support/rows.ts';
 import { privateContent, recordSecret } from './support/run.ts';
 import { startWebhookReceiver } from './support/webhook-receiver.ts';

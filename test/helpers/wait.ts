@@ -1,6 +1,5 @@
 // Waiting for a condition in a test: by polling, with a bound.
-
-const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+import { setTimeout as sleep } from 'node:timers/promises';
 
 /** Polls `check` until it holds; false if it still does not after `timeoutMs`. */
 export async function waitFor(check: () => Promise<boolean> | boolean, timeoutMs: number, everyMs = 50): Promise<boolean> {

@@ -1,6 +1,7 @@
 // Intake limits over HTTP (CONTRACT.md section 10): RATE_LIMIT_RPS with a burst of twice that,
 // lookups with their own limit, MAX_UNFINISHED_PER_PROJECT, each a 429 rate_limit_exceeded with
 // retry-after that stores nothing; and the rate holding across two API processes.
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
@@ -8,8 +9,6 @@ import { freePort } from '../helpers/ports.ts';
 import { countRows } from '../helpers/rows.ts';
 import { serveSettings, spawnServe } from '../helpers/serve.ts';
 import { until } from '../helpers/wait.ts';
-
-const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 t.test('RATE_LIMIT_RPS: a burst of twice the rate, then 429 with retry-after; nothing stored for those', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api', env: { RATE_LIMIT_RPS: '2', LOOKUP_RATE_LIMIT_RPS: '100' } });

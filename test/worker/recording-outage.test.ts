@@ -3,6 +3,7 @@
 // webhook try's end (to be delivered again). Only a shutdown past its grace gives up, and then
 // the attempt stays running for the sweep to recover.
 import { Writable } from 'node:stream';
+import { setTimeout as sleep } from 'node:timers/promises';
 import type { Test } from 'tap';
 import t from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
@@ -18,7 +19,6 @@ import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 import { addTestEndpoint, endRequest, messagesOf, startReceiver, testDeliverer, triesOf } from '../webhooks/support.ts';
 
-const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 // Longer than a minute: longer than the patience of the worker's other statements (OUTAGE_PATIENCE_MS).
 const OUTAGE_MS = 65_000;
 

@@ -1,6 +1,7 @@
 // The worker supervisor: dead pools' jobs are released, and a pool that stops on its own is
 // replaced, so requests finish without a restart. A live worker is never taken for dead: not
 // while its event loop stalls, nor while it stops and its calls in flight land.
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { sweep } from '../../src/worker/supervisor-repository.ts';
 import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
@@ -9,8 +10,6 @@ import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows
 import { spawnServe } from '../helpers/serve.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
-
-const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
 /** An upstream whose calls are all answered (200) once the test says so. */
 async function heldUpstream(t: Parameters<typeof startFakeUpstream>[0]) {
@@ -90,7 +89,7 @@ t.test('a worker pool that stops on its own is replaced, and its request complet
   // job, which ran again and found its request already completed.
   for (let i = 0; (await lockedJobs(gateway)).length > 0; i++) {
     if (i > 500) throw new Error('the job was never released and finished');
-    await new Promise((resolve) => setTimeout(resolve, 20));
+    await sleep(20);
   }
   const { rows: after } = await gateway.pool.query(`select id from gateway.worker_pools where id like 'pool-%'`);
   t.equal(after.length, 1, 'one pool beating');

@@ -3,6 +3,7 @@
 // the run's log directory, killed with any signal and started again.
 import { spawn, type ChildProcess } from 'node:child_process';
 import { appendFileSync } from 'node:fs';
+import { setTimeout as sleep } from 'node:timers/promises';
 import type { Role } from '../../../src/main.ts';
 
 const CLI = new URL('../../../src/cli.ts', import.meta.url).pathname;
@@ -156,5 +157,3 @@ export function parseLine(line: string): Record<string, unknown> | undefined {
     return undefined;
   }
 }
-
-export const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));

@@ -1,6 +1,6 @@
 // Reading many requests and their attempts at once, and waiting for them to end.
+import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
-import { sleep } from './processes.ts';
 
 export interface AttemptRow {
   attempt_number: number;
