@@ -26,7 +26,6 @@ export interface LimitedUpstream {
   calls: UpstreamCall[];
   /** Calls answered 429 so far, and why. */
   refused: { rate: number; concurrency: number; told: number };
-  inFlight(): number;
   peakInFlight(): number;
   /** The next call is answered 429 with this retry-after (seconds), whatever the limits say. */
   refuseNext(retryAfterSeconds: number): void;
@@ -110,7 +109,6 @@ export async function startLimitedUpstream(
     baseUrl: `http://127.0.0.1:${port}/v1`,
     calls,
     refused,
-    inFlight: () => inFlight,
     peakInFlight: () => peak,
     refuseNext: (retryAfterSeconds) => told.push(retryAfterSeconds),
   };

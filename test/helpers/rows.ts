@@ -21,9 +21,9 @@ export async function countRows(db: Db, table: 'requests' | 'request_attempts' |
 }
 
 /** The dispatch_lane jobs in the queue (the public jobs view does not show payloads), oldest first. */
-export async function dispatchJobs(db: Db): Promise<{ lane_id: string; run_at: Date; key: string | null }[]> {
-  const { rows } = await sql<{ lane_id: string; run_at: Date; key: string | null }>`
-    select jobs.payload->>'lane_id' as lane_id, jobs.run_at, jobs.key
+export async function dispatchJobs(db: Db): Promise<{ lane_id: string; run_at: Date }[]> {
+  const { rows } = await sql<{ lane_id: string; run_at: Date }>`
+    select jobs.payload->>'lane_id' as lane_id, jobs.run_at
     from graphile_worker._private_jobs as jobs
     join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id
     where tasks.identifier = 'dispatch_lane'
