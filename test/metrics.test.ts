@@ -10,23 +10,13 @@ import { countUnfinishedByStatus } from '../src/requests/inspection.ts';
 import { oldestUnfinishedMessageAge } from '../src/webhooks/repository.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
+import { parseMetrics } from './helpers/metrics.ts';
 import { isTerminal, waitForRow } from './helpers/rows.ts';
 import { completionFor, startFakeUpstream } from './helpers/upstream.ts';
 import { until } from './helpers/wait.ts';
 
-/** Samples of the exposition format, as "name{labels}" -> value. */
-function parse(text: string): Map<string, number> {
-  const samples = new Map<string, number>();
-  for (const line of text.split('\n')) {
-    if (line === '' || line.startsWith('#')) continue;
-    const at = line.lastIndexOf(' ');
-    samples.set(line.slice(0, at), Number(line.slice(at + 1)));
-  }
-  return samples;
-}
-
 const scrape = async (url: string, headers: Record<string, string> = {}) =>
-  parse((await send(url, { path: '/metrics', headers })).text);
+  parseMetrics((await send(url, { path: '/metrics', headers })).text);
 
 t.test('each metric family counts what happened', async (t) => {
   const upstream = await startFakeUpstream(t, (call) => ({ status: 200, json: completionFor(call.body) }));
@@ -49,7 +39,7 @@ t.test('each metric family counts what happened', async (t) => {
   await test.get('req_00000000000000000000'); // 404
 
   const text = (await send(gateway.metricsUrl, { path: '/metrics' })).text;
-  const m = parse(text);
+  const m = parseMetrics(text);
   const value = (sample: string) => m.get(sample) ?? 0;
   const post = 'method="POST",route="/v1/chat/completions"';
   t.equal(value(`gateway_http_requests_total{${post},status="202"}`), 5, '5 acknowledgements (one a replay)');
@@ -122,7 +112,8 @@ t.test('METRICS_PORT serves /metrics apart from PORT, behind METRICS_TOKEN when 
   const api = await startTestGateway(t, { role: 'api', env });
   const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env });
   for (const [name, gateway] of [['api', api], ['worker', worker]] as const) {
-    t.not(gateway.metricsUrl, gateway.url, `--role ${name}: a port of its own`);
+    t.not(gateway.metricsUrl, '', `--role ${name}: a metrics url`);
+    t.not(new URL(gateway.metricsUrl).port, new URL(gateway.url).port, `--role ${name}: a port of its own`);
     t.equal((await send(gateway.url, { path: '/metrics', headers: { authorization: 'Bearer scrape-token-456' } })).status, 404, `--role ${name}: none on PORT`);
     t.equal((await send(gateway.metricsUrl, { path: '/metrics' })).status, 401, `--role ${name}: the token is required`);
     const right = await send(gateway.metricsUrl, { path: '/metrics', headers: { authorization: 'Bearer scrape-token-456' } });
@@ -167,14 +158,14 @@ t.test('the gauges read from the database are read once per few seconds, by one 
   await client.post({ model: 'test-echo', messages: userMessage() });
   const scrapes = await Promise.all(Array.from({ length: 20 }, () => metrics.render()));
   t.equal(reads, 2, '20 scrapes at once: one read of each gauge');
-  t.ok(scrapes.every((text) => parse(text).get('gateway_requests{status="queued",mode="test"}') === 1), 'each saw the one queued request');
+  t.ok(scrapes.every((text) => parseMetrics(text).get('gateway_requests{status="queued",mode="test"}') === 1), 'each saw the one queued request');
 
   await client.post({ model: 'test-echo', messages: userMessage() });
   for (let i = 0; i < 5; i++) await metrics.render();
   t.equal(reads, 2, 'five more scrapes within the second: no read');
-  t.equal(parse(await metrics.render()).get('gateway_requests{status="queued",mode="test"}'), 1, 'the figure kept');
+  t.equal(parseMetrics(await metrics.render()).get('gateway_requests{status="queued",mode="test"}'), 1, 'the figure kept');
 
   await new Promise((resolve) => setTimeout(resolve, 1_100));
-  t.equal(parse(await metrics.render()).get('gateway_requests{status="queued",mode="test"}'), 2, 'read again once it is old');
+  t.equal(parseMetrics(await metrics.render()).get('gateway_requests{status="queued",mode="test"}'), 2, 'read again once it is old');
   t.equal(reads, 4);
 });
