@@ -46,7 +46,9 @@ export async function createTestDatabase(t: Teardown): Promise<string> {
   return urlForDatabase(adminUrl, name);
 }
 
-async function adminQuery(url: string, run: (client: pg.Client) => Promise<void>): Promise<void> {
+/** Runs `run` on a connection of its own to `url` (as the harness's admin role, unless `url` names
+ * another), closed after. */
+export async function adminQuery(url: string, run: (client: pg.Client) => Promise<void>): Promise<void> {
   const client = new pg.Client({ connectionString: url });
   await client.connect();
   try {

@@ -2,47 +2,36 @@
 // the API answers 503 service_unavailable with retry-after, never a 500, and logs no unhandled
 // error. The gateway runs as a role limited to 3 connections, with a pool of 10.
 import { randomBytes } from 'node:crypto';
-import pg from 'pg';
 import t from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
 import { createKey } from '../../src/keys/service.ts';
 import { createLogger } from '../../src/logger.ts';
-import { createTestDatabase } from '../helpers/database.ts';
+import { adminQuery, createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 
 const CONNECTION_LIMIT = 3;
-
-async function asAdmin(url: string, statements: string[]): Promise<void> {
-  const client = new pg.Client({ connectionString: url });
-  await client.connect();
-  try {
-    for (const statement of statements) await client.query(statement);
-  } finally {
-    await client.end();
-  }
-}
 
 t.test(`a role limited to ${CONNECTION_LIMIT} connections, a pool of 10, many requests at once: every answer a 202 or a 503 with retry-after, never a 500`, async (t) => {
   const url = await createTestDatabase(t);
   const role = `gateway_limited_${randomBytes(4).toString('hex')}`;
   // A password too, for a server that asks for one (the embedded Postgres does; trust ignores it).
   const password = randomBytes(12).toString('hex');
-  await asAdmin(url, [
+  await adminQuery(url, async (admin) => {
     // (graphile-worker's tables have row-level security, which their owner bypasses: so must this role.)
-    `create role ${role} login password '${password}' bypassrls connection limit ${CONNECTION_LIMIT}`,
-    `grant usage on schema gateway, graphile_worker to ${role}`,
-    `grant select, insert, update, delete on all tables in schema gateway, graphile_worker to ${role}`,
-    `grant usage, select on all sequences in schema gateway, graphile_worker to ${role}`,
-    `grant execute on all functions in schema gateway, graphile_worker to ${role}`,
-  ]);
+    await admin.query(`create role ${role} login password '${password}' bypassrls connection limit ${CONNECTION_LIMIT}`);
+    await admin.query(`grant usage on schema gateway, graphile_worker to ${role}`);
+    await admin.query(`grant select, insert, update, delete on all tables in schema gateway, graphile_worker to ${role}`);
+    await admin.query(`grant usage, select on all sequences in schema gateway, graphile_worker to ${role}`);
+    await admin.query(`grant execute on all functions in schema gateway, graphile_worker to ${role}`);
+  });
   // (Teardowns run last first: this one after the gateway stopped, before the database is dropped.)
   t.teardown(() =>
-    asAdmin(url, [
-      `select pg_terminate_backend(pid) from pg_stat_activity where usename = '${role}'`,
-      `drop owned by ${role}`,
-      `drop role ${role}`,
-    ]),
+    adminQuery(url, async (admin) => {
+      await admin.query(`select pg_terminate_backend(pid) from pg_stat_activity where usename = '${role}'`);
+      await admin.query(`drop owned by ${role}`);
+      await admin.query(`drop role ${role}`);
+    }),
   );
   const limitedUrl = new URL(url);
   limitedUrl.username = role;
