@@ -1,13 +1,10 @@
 // gateway requests show | list, stats, upstreams and usage, run as processes against a working
 // gateway's database.
-import { execFile } from 'node:child_process';
-import { promisify } from 'node:util';
 import t from 'tap';
+import { cliOutput, runCli } from './helpers/cli.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage } from './helpers/http.ts';
 import { isTerminal, waitForRow } from './helpers/rows.ts';
-
-const CLI = new URL('../src/cli.ts', import.meta.url).pathname;
 
 t.test('requests show, requests list and stats', async (t) => {
   const gateway = await startTestGateway(t, { env: { MAX_ATTEMPTS: '3' } });
@@ -18,12 +15,8 @@ t.test('requests show, requests list and stats', async (t) => {
   const live = (await beta.post({ model: 'gpt-x', messages: userMessage() })).body.id; // fails: no upstream here
   for (const id of [flaky, broken, live]) await waitForRow(gateway.db, id, isTerminal);
 
-  const run = async (...args: string[]) => {
-    const { stdout } = await promisify(execFile)(process.execPath, [CLI, ...args], {
-      env: { ...process.env, DATABASE_URL: gateway.databaseUrl, LOG_LEVEL: 'warn' },
-    });
-    return stdout;
-  };
+  const env = { DATABASE_URL: gateway.databaseUrl };
+  const run = (...args: string[]) => cliOutput(args, env);
 
   const shown = JSON.parse(await run('requests', 'show', flaky, '--json'));
   t.match(shown.request, { id: flaky, project: 'alpha', mode: 'test', status: 'completed', attempts: 2, idempotency_key: 'flaky-1' });
@@ -63,8 +56,12 @@ t.test('requests show, requests list and stats', async (t) => {
   t.match(table, /Requests by project, mode and status/);
   t.match(table, /Workers \(each process, and its graphile-worker pool\)/);
 
-  await t.rejects(run('requests', 'show', 'req_00000000000000000000'), /No request with id/);
-  await t.rejects(run('requests', 'list', '--status', 'done'), /--status must be/);
+  const unknown = await runCli(['requests', 'show', 'req_00000000000000000000'], env);
+  t.equal(unknown.code, 1);
+  t.match(unknown.stderr, /No request with id/);
+  const badStatus = await runCli(['requests', 'list', '--status', 'done'], env);
+  t.equal(badStatus.code, 1);
+  t.match(badStatus.stderr, /--status must be/);
 });
 
 t.test('upstreams and usage', async (t) => {
@@ -74,12 +71,8 @@ t.test('upstreams and usage', async (t) => {
   for (const client of [alpha, alpha, beta]) {
     t.equal((await client.post({ model: 'test-echo', messages: userMessage('usage counted'), wait: true })).status, 200);
   }
-  const run = async (...args: string[]) => {
-    const { stdout } = await promisify(execFile)(process.execPath, [CLI, ...args], {
-      env: { ...process.env, DATABASE_URL: gateway.databaseUrl, LOG_LEVEL: 'warn', UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1' },
-    });
-    return stdout;
-  };
+  const env = { DATABASE_URL: gateway.databaseUrl, UPSTREAM_BASE_URL: 'http://127.0.0.1:9/v1' };
+  const run = (...args: string[]) => cliOutput(args, env);
 
   const upstreams = JSON.parse(await run('upstreams', '--json'));
   t.same(upstreams.upstreams, [
@@ -98,5 +91,7 @@ t.test('upstreams and usage', async (t) => {
   t.same(JSON.parse(await run('usage', '--project', 'beta', '--json')).map((row: { project: string }) => row.project), ['beta']);
   t.same(JSON.parse(await run('usage', '--since', '2999-01-01', '--json')), [], '--since a day to come: nothing');
   t.match(await run('usage'), /^day\s+project\s+mode\s+upstream\s+model\s+requests/);
-  await t.rejects(run('usage', '--since', '2026-02-31'), /--since must be a day/);
+  const badDay = await runCli(['usage', '--since', '2026-02-31'], env);
+  t.equal(badDay.code, 1);
+  t.match(badDay.stderr, /--since must be a day/);
 });

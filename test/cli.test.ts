@@ -1,56 +1,37 @@
 // The gateway command line (CONTRACT.md section 7), run as real processes against a database.
-import { execFile } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { promisify } from 'node:util';
 import pg from 'pg';
 import t from 'tap';
 import { listMigrations } from '../src/db/migrate.ts';
-import { createTestDatabase, urlForDatabase } from './helpers/database.ts';
+import { runCli } from './helpers/cli.ts';
+import { adminQuery, createTestDatabase, urlForDatabase } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage } from './helpers/http.ts';
-
-const run = promisify(execFile);
-const CLI = new URL('../src/cli.ts', import.meta.url).pathname;
-
-async function gateway(args: string[], env: Record<string, string | undefined>) {
-  const { DATABASE_URL: _ignored, SECRET_ENCRYPTION_KEY: _also, ...inherited } = process.env;
-  try {
-    const { stdout, stderr } = await run(process.execPath, [CLI, ...args], {
-      env: { ...inherited, LOG_LEVEL: 'warn', ...env },
-    });
-    return { code: 0, stdout, stderr };
-  } catch (error) {
-    const failed = error as { code: number; stdout: string; stderr: string };
-    return { code: failed.code, stdout: failed.stdout, stderr: failed.stderr };
-  }
-}
 
 /** An empty database (not cloned from the migrated template). */
 async function emptyDatabase(t: Parameters<typeof createTestDatabase>[0]) {
   const adminUrl = process.env.GATEWAY_TEST_ADMIN_URL!;
   const name = `gateway_test_empty_${randomBytes(6).toString('hex')}`;
-  const admin = new pg.Client({ connectionString: adminUrl });
-  await admin.connect();
-  await admin.query(`create database ${name}`);
-  await admin.end();
-  t.teardown(async () => {
-    const client = new pg.Client({ connectionString: adminUrl });
-    await client.connect();
-    await client.query(`drop database if exists ${name} with (force)`);
-    await client.end();
+  await adminQuery(adminUrl, async (admin) => {
+    await admin.query(`create database ${name}`);
   });
+  t.teardown(() =>
+    adminQuery(adminUrl, async (admin) => {
+      await admin.query(`drop database if exists ${name} with (force)`);
+    }),
+  );
   return urlForDatabase(adminUrl, name);
 }
 
 t.test('migrate builds the schema, twice at once, and again with nothing left to do', async (t) => {
   const url = await emptyDatabase(t);
   const [first, second] = await Promise.all([
-    gateway(['migrate'], { DATABASE_URL: url }),
-    gateway(['migrate'], { DATABASE_URL: url }),
+    runCli(['migrate'], { DATABASE_URL: url }),
+    runCli(['migrate'], { DATABASE_URL: url }),
   ]);
   t.equal(first.code, 0, first.stderr);
   t.equal(second.code, 0, second.stderr);
-  const again = await gateway(['migrate'], { DATABASE_URL: url });
+  const again = await runCli(['migrate'], { DATABASE_URL: url });
   t.equal(again.code, 0);
   t.match(again.stdout, /up to date/);
 
@@ -91,7 +72,7 @@ t.test('keys create, list and revoke', async (t) => {
     SECRET_ENCRYPTION_KEY: service.config.secretEncryptionKey!.toString('base64'),
   };
 
-  const created = await gateway(['keys', 'create', '--project', 'acme', '--mode', 'test', '--json'], env);
+  const created = await runCli(['keys', 'create', '--project', 'acme', '--mode', 'test', '--json'], env);
   t.equal(created.code, 0, created.stderr);
   const key = JSON.parse(created.stdout);
   t.same(Object.keys(key), ['id', 'project', 'mode', 'api_key', 'signing_secret']);
@@ -101,7 +82,7 @@ t.test('keys create, list and revoke', async (t) => {
   t.match(key.api_key, /^svc_test_[A-Za-z0-9]{32,}$/);
   t.match(key.signing_secret, /^svc_sig_[A-Za-z0-9]{32,}$/);
 
-  const human = await gateway(['keys', 'create', '--project', 'acme'], env);
+  const human = await runCli(['keys', 'create', '--project', 'acme'], env);
   t.match(human.stdout, /svc_live_[A-Za-z0-9]{32,}/, 'live by default');
   t.match(human.stdout, /shown this once/);
 
@@ -118,50 +99,50 @@ t.test('keys create, list and revoke', async (t) => {
   const sha = createHash('sha256').update(key.api_key).digest();
   t.ok(rows.some((row) => row.key_sha256.equals(sha)), 'the SHA-256 is what identifies the key');
 
-  const listed = await gateway(['keys', 'list', '--project', 'acme', '--json'], env);
+  const listed = await runCli(['keys', 'list', '--project', 'acme', '--json'], env);
   const keys = JSON.parse(listed.stdout);
   t.equal(keys.length, 2);
   const listedKey = keys.find((entry: { key: string }) => entry.key.endsWith(key.api_key.slice(-4)));
   t.match(listedKey, { project: 'acme', mode: 'test', status: 'active', revoked_at: null });
   t.notOk(listed.stdout.includes(key.api_key), 'listing never shows a key');
-  const table = await gateway(['keys', 'list'], env);
+  const table = await runCli(['keys', 'list'], env);
   t.match(table.stdout, /^id\s+project\s+mode\s+key\s+status/m);
 
   t.equal(listedKey.id, key.id, 'the id --json gave is the key\'s');
-  const revoked = await gateway(['keys', 'revoke', key.id], env);
+  const revoked = await runCli(['keys', 'revoke', key.id], env);
   t.equal(revoked.code, 0, revoked.stderr);
   t.match(revoked.stdout, new RegExp(`Revoked key ${key.id}`));
   const refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
   t.equal(refused.status, 401);
   t.equal(refused.body.error.code, 'invalid_api_key');
 
-  const unknown = await gateway(['keys', 'revoke', 'key_doesnotexist000000'], env);
+  const unknown = await runCli(['keys', 'revoke', 'key_doesnotexist000000'], env);
   t.equal(unknown.code, 1);
   t.match(unknown.stderr, /No key with id/);
 });
 
 t.test('mistakes get a message and a non-zero exit, not a stack trace', async (t) => {
   const url = await createTestDatabase(t);
-  const noSecret = await gateway(['keys', 'create', '--project', 'x'], { DATABASE_URL: url });
+  const noSecret = await runCli(['keys', 'create', '--project', 'x'], { DATABASE_URL: url });
   t.equal(noSecret.code, 1);
   t.match(noSecret.stderr, /SECRET_ENCRYPTION_KEY is not set/);
 
-  const badProject = await gateway(['keys', 'create', '--project', 'no spaces'], {
+  const badProject = await runCli(['keys', 'create', '--project', 'no spaces'], {
     DATABASE_URL: url,
     SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
   });
   t.equal(badProject.code, 1);
   t.match(badProject.stderr, /project name/);
 
-  const serveWithoutDatabase = await gateway(['serve'], {});
+  const serveWithoutDatabase = await runCli(['serve'], {});
   t.equal(serveWithoutDatabase.code, 1);
   t.match(serveWithoutDatabase.stderr, /DATABASE_URL is not set/);
 
-  const badSetting = await gateway(['migrate'], { DATABASE_URL: url, MAX_ATTEMPTS: 'lots' });
+  const badSetting = await runCli(['migrate'], { DATABASE_URL: url, MAX_ATTEMPTS: 'lots' });
   t.equal(badSetting.code, 1);
   t.match(badSetting.stderr, /MAX_ATTEMPTS must be a whole number/);
 
-  const unknownCommand = await gateway(['frobnicate'], { DATABASE_URL: url });
+  const unknownCommand = await runCli(['frobnicate'], { DATABASE_URL: url });
   t.equal(unknownCommand.code, 2);
   t.match(unknownCommand.stderr, /Unknown command/);
   t.match(unknownCommand.stderr, /Usage: gateway/);
@@ -173,7 +154,7 @@ t.test('request makes signed calls from the environment\'s key and secret', asyn
   const env = { GATEWAY_API_KEY: key.api_key, GATEWAY_SIGNING_SECRET: key.signing_secret, GATEWAY_BASE_URL: service.url };
 
   const body = JSON.stringify({ model: 'test-echo', messages: userMessage('from the command line'), wait: true });
-  const created = await gateway(['request', 'POST', '/v1/chat/completions', body, '--verbose'], env);
+  const created = await runCli(['request', 'POST', '/v1/chat/completions', body, '--verbose'], env);
   t.equal(created.code, 0, created.stderr);
   t.match(created.stderr, /HTTP 200/);
   t.match(created.stderr, /string to sign:\n {4}v1\n {4}\d+\n {4}[A-Za-z0-9_-]+\n {4}POST\n {4}\/v1\/chat\/completions\n {4}[0-9a-f]{64}/);
@@ -182,16 +163,16 @@ t.test('request makes signed calls from the environment\'s key and secret', asyn
   t.equal(completion.choices[0].message.content, 'from the command line');
 
   const { rows } = await service.pool.query('select id from gateway.requests');
-  const lookup = await gateway(['request', 'GET', `/v1/requests/${rows[0].id}`], env);
+  const lookup = await runCli(['request', 'GET', `/v1/requests/${rows[0].id}`], env);
   t.equal(lookup.code, 0);
   t.match(JSON.parse(lookup.stdout), { id: rows[0].id, status: 'completed' });
 
-  const missing = await gateway(['request', 'GET', '/v1/requests/req_00000000000000000000'], env);
+  const missing = await runCli(['request', 'GET', '/v1/requests/req_00000000000000000000'], env);
   t.equal(missing.code, 1, 'a non-2xx answer exits 1');
   t.match(missing.stderr, /HTTP 404/);
   t.match(JSON.parse(missing.stdout), { error: { code: 'request_not_found' } });
 
-  const noCredentials = await gateway(['request', 'GET', '/v1/requests/x'], { GATEWAY_BASE_URL: service.url });
+  const noCredentials = await runCli(['request', 'GET', '/v1/requests/x'], { GATEWAY_BASE_URL: service.url });
   t.equal(noCredentials.code, 1);
   t.match(noCredentials.stderr, /GATEWAY_API_KEY and GATEWAY_SIGNING_SECRET/);
 });

@@ -3,9 +3,7 @@
 // stored secret under the new key (twice, or beside a running gateway, without harm), after
 // which the new key alone does; and an API process whose keys decrypt no stored secret refuses
 // to start, saying so, rather than answer every signed request with a 500.
-import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { promisify } from 'node:util';
 import t from 'tap';
 import { ConfigError, loadConfig } from '../../src/config.ts';
 import { createLogger } from '../../src/logger.ts';
@@ -14,31 +12,22 @@ import { reencryptSecrets } from '../../src/keys/reencryption.ts';
 import { createKey, type CreatedKey } from '../../src/keys/service.ts';
 import { decryptWith } from '../../src/keys/secrets.ts';
 import { addEndpoint, rotateSecret } from '../../src/webhooks/endpoints.ts';
+import { runCli } from '../helpers/cli.ts';
 import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
-import { clientFor, userMessage } from '../helpers/http.ts';
+import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { freePort } from '../helpers/ports.ts';
-import { spawnServe } from '../helpers/serve.ts';
+import { serveSettings, spawnServe } from '../helpers/serve.ts';
 import { until } from '../helpers/wait.ts';
 import { startReceiver } from '../webhooks/support.ts';
 
-const CLI = new URL('../../src/cli.ts', import.meta.url).pathname;
 const newKey = () => randomBytes(32);
 /** The settings of a process given these keys, in this order (the first encrypts). */
 const withKeys = (...keys: Buffer[]) => ({ SECRET_ENCRYPTION_KEY: '', SECRET_ENCRYPTION_KEYS: keys.map((key) => key.toString('base64')).join(',') });
 
-async function reencryptCommand(databaseUrl: string, keys: Buffer[]) {
-  const { DATABASE_URL: _url, SECRET_ENCRYPTION_KEY: _key, SECRET_ENCRYPTION_KEYS: _keys, ...inherited } = process.env;
-  try {
-    const { stdout, stderr } = await promisify(execFile)(process.execPath, [CLI, 'keys', 'reencrypt', '--json'], {
-      env: { ...inherited, LOG_LEVEL: 'warn', DATABASE_URL: databaseUrl, ...withKeys(...keys) },
-    });
-    return { code: 0, stdout, stderr };
-  } catch (error) {
-    const failed = error as { code: number; stdout: string; stderr: string };
-    return { code: failed.code, stdout: failed.stdout, stderr: failed.stderr };
-  }
-}
+/** `gateway keys reencrypt --json` with these keys, in this order. */
+const reencryptCommand = (databaseUrl: string, keys: Buffer[]) =>
+  runCli(['keys', 'reencrypt', '--json'], { DATABASE_URL: databaseUrl, ...withKeys(...keys) });
 
 t.test('SECRET_ENCRYPTION_KEYS: the first key encrypts, every one decrypts; never beside SECRET_ENCRYPTION_KEY', async (t) => {
   const [first, second] = [newKey(), newKey()];
@@ -174,18 +163,13 @@ t.test('an API process whose keys decrypt no stored signing secret refuses to st
     await t.rejects(starting, new ConfigError(`${message}the signing secret of key ${key.id} was stored with a key other than the one given. Set the key they were stored with; to rotate keys, SECRET_ENCRYPTION_KEYS=<new key>,<old key>, then \`gateway keys reencrypt\`.`), `--role ${role}`);
   }
   const worker = await startTestGateway(t, { role: 'worker', databaseUrl, env: { SECRET_ENCRYPTION_KEY: wrongKey.toString('base64') } });
-  t.ok(worker, 'a worker starts (it signs webhooks, not requests)');
+  t.equal((await send(worker.url, { path: '/healthz' })).status, 200, 'a worker starts and serves /healthz (it signs webhooks, not requests)');
   await worker.stop();
 
   // As a process: gateway serve, alone and as a cluster's primary, exits 1 with the message.
   for (const processes of ['1', '2']) {
-    const serve = spawnServe(t, {
-      DATABASE_URL: databaseUrl,
-      SECRET_ENCRYPTION_KEY: wrongKey.toString('base64'),
-      PORT: String(await freePort()),
-      HOST: '127.0.0.1',
-      API_PROCESSES: processes,
-    }, ['--role', 'api']);
+    const settings = serveSettings(setup, await freePort(), { SECRET_ENCRYPTION_KEY: wrongKey.toString('base64'), API_PROCESSES: processes });
+    const serve = spawnServe(t, settings, ['--role', 'api']);
     // (A cluster whose primary did not check would replace its failing API processes for ever.)
     const exit = await Promise.race([serve.exited, new Promise((resolve) => setTimeout(() => resolve('still running'), 20_000).unref())]);
     t.equal(exit, 1, `API_PROCESSES=${processes}: exits 1`);
