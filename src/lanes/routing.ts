@@ -7,7 +7,8 @@ import { invalidRequest } from '../errors.ts';
 import type { KeyMode } from '../ids.ts';
 import { ensureLane, type LaneKey } from './repository.ts';
 import { estimatePromptTokens, loadTokenizer } from './tokens.ts';
-import { routeModel, SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
+import { testBehaviour } from '../upstream/simulator.ts';
+import { routeModel, SIMULATOR } from '../upstream/upstreams.ts';
 
 /** The simulator's one lane takes every test-mode model. */
 const ANY_MODEL = '*';
@@ -34,15 +35,15 @@ export class LaneRouter {
   constructor(db: Db, config: Pick<Config, 'upstreams' | 'testDelayMaxMs'>) {
     this.#db = db;
     this.#config = config;
-    // Loading the tokenizer takes a third of a second: at start-up, not on a request.
+    // Loading the tokenizer holds the event loop noticeably: at start-up, not on a request.
     if (config.upstreams.some((upstream) => upstream.limits.tokensPerMinute !== undefined)) loadTokenizer();
   }
 
   /** The lane of a request of this mode and body; a 400 naming `model` when there is none. */
   async route(mode: KeyMode, body: RoutedBody): Promise<Routed> {
     if (mode === 'test') {
-      const delay = /^test-delay-(\d+)$/.exec(body.model);
-      if (delay && Number(delay[1]) > this.#config.testDelayMaxMs) {
+      const behaviour = testBehaviour(body.model);
+      if (behaviour?.kind === 'delay' && behaviour.value > this.#config.testDelayMaxMs) {
         throw invalidRequest(
           'invalid_parameter',
           `Invalid 'model': test-delay-<ms> takes at most ${this.#config.testDelayMaxMs} ms.`,
@@ -71,13 +72,4 @@ export class LaneRouter {
     }
     return id;
   }
-}
-
-/**
- * A model as a metrics label: the model itself when the upstream names it, else the pattern
- * that matched it, so that labels are bounded by the configuration, not by what clients send.
- */
-export function modelLabel(upstream: Upstream, model: string): string {
-  if (upstream.models.includes(model)) return model;
-  return upstream.models.find((pattern) => pattern.endsWith('*') && model.startsWith(pattern.slice(0, -1))) ?? model;
 }

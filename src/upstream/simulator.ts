@@ -14,18 +14,31 @@ interface SimulatedBody {
   messages: { role: string; content: string }[];
 }
 
+export interface TestBehaviour {
+  kind: 'delay' | 'fail' | 'error';
+  /** The milliseconds, attempts or HTTP status that the model names. */
+  value: number;
+}
+
+/** What a test-mode model asks of the simulator (the list above); undefined: it completes at once. */
+export function testBehaviour(model: string): TestBehaviour | undefined {
+  const match = /^test-(delay|fail|error)-(\d+)$/.exec(model);
+  return match ? { kind: match[1] as TestBehaviour['kind'], value: Number(match[2]) } : undefined;
+}
+
 export async function simulate(call: UpstreamCall & { attempt: number }): Promise<AttemptOutcome> {
   const body = JSON.parse(call.body) as SimulatedBody;
-  const behaviour = /^test-(delay|fail|error)-(\d{1,9})$/.exec(body.model);
-  const kind = behaviour?.[1];
-  const value = Number(behaviour?.[2]);
+  const behaviour = testBehaviour(body.model);
 
-  if (kind === 'delay') await sleep(value, call.signal);
+  if (behaviour?.kind === 'delay') await sleep(behaviour.value, call.signal);
   if (call.signal.aborted) {
     return { ok: false, code: 'upstream_timeout', detail: 'no complete answer within the upstream timeout', upstreamStatus: null };
   }
-  if (kind === 'fail' && call.attempt <= value) return failedWithStatus(500);
-  if (kind === 'error' && value >= 100 && value <= 599 && (value < 200 || value >= 300)) return failedWithStatus(value);
+  if (behaviour?.kind === 'fail' && call.attempt <= behaviour.value) return failedWithStatus(500);
+  if (behaviour?.kind === 'error') {
+    const status = behaviour.value;
+    if (status >= 100 && status <= 599 && (status < 200 || status >= 300)) return failedWithStatus(status);
+  }
   const completion = completionFor(body);
   const { usage } = completion;
   return {

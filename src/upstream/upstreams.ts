@@ -23,6 +23,13 @@ export interface Upstream {
   readonly limits: LaneLimits;
 }
 
+/** Limits that hold nothing back: the default upstream's, and the simulator's. */
+export const NO_LIMITS: LaneLimits = Object.freeze({
+  maxConcurrent: undefined,
+  requestsPerMinute: undefined,
+  tokensPerMinute: undefined,
+});
+
 /** The name of the one upstream built from UPSTREAM_BASE_URL when UPSTREAMS_FILE is unset. */
 export const DEFAULT_UPSTREAM = 'default';
 /** The name test mode's simulator answers under; a file may not use it. */
@@ -150,17 +157,27 @@ export function defaultUpstream(baseUrl: string, apiKey: string | undefined): Up
     baseUrl: baseUrl.replace(/\/+$/, ''),
     apiKey,
     models: Object.freeze(['*']),
-    limits: Object.freeze({ maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined }),
+    limits: NO_LIMITS,
   });
 }
 
 /** The first upstream, in the file's order, with a model name or prefix pattern that matches. */
 export function routeModel(upstreams: readonly Upstream[], model: string): Upstream | undefined {
-  return upstreams.find((upstream) =>
-    upstream.models.some((pattern) =>
-      pattern.endsWith('*') ? model.startsWith(pattern.slice(0, -1)) : model === pattern,
-    ),
-  );
+  return upstreams.find((upstream) => matchingPattern(upstream, model) !== undefined);
+}
+
+/**
+ * A model as a metrics label: the model itself when the upstream names it, else the pattern
+ * that matched it, so that labels are bounded by the configuration, not by what clients send.
+ */
+export function modelLabel(upstream: Upstream, model: string): string {
+  return matchingPattern(upstream, model) ?? model;
+}
+
+/** The upstream's entry that serves the model: its exact name first, else the first prefix pattern that matches. */
+function matchingPattern(upstream: Upstream, model: string): string | undefined {
+  if (upstream.models.includes(model)) return model;
+  return upstream.models.find((pattern) => pattern.endsWith('*') && model.startsWith(pattern.slice(0, -1)));
 }
 
 function isHttpUrl(value: string): boolean {

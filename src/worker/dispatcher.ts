@@ -30,8 +30,7 @@ import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import { addDispatch, claimLane, findLane, type Lane, type LaneClaim, type StartedAttempt } from '../lanes/repository.ts';
 import { findEnded } from './attempts-repository.ts';
-import { modelLabel } from '../lanes/routing.ts';
-import { SIMULATOR, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
+import { modelLabel, NO_LIMITS, SIMULATOR, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, type Attempts, type CallTarget } from './attempts.ts';
 
@@ -54,7 +53,6 @@ const START_SLICE = 50;
 const OUTAGE_PATIENCE_MS = 60_000;
 // How often the calls' requests are checked while their ends cannot be heard.
 const ENDED_POLL_MS = 1_000;
-const NO_LIMITS: LaneLimits = { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined };
 
 /** Where a lane's calls go, and its limits. */
 interface Route {

@@ -9,6 +9,7 @@ import { createDb, createPool, type Db, REPLAN_EVERY } from '../../src/db/pool.t
 import { createLogger } from '../../src/logger.ts';
 import { claimLane } from '../../src/lanes/repository.ts';
 import { findRequests } from '../../src/requests/read-repository.ts';
+import { NO_LIMITS } from '../../src/upstream/upstreams.ts';
 import { finishAttempts } from '../../src/worker/attempts-repository.ts';
 import { createTestDatabase } from '../helpers/database.ts';
 
@@ -78,7 +79,6 @@ t.test('a group claimed and finished after the tables grew does not scan them wh
 });
 
 const LANE = '1';
-const NO_LIMITS = { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined };
 const NO_USAGE = { prompt: null, completion: null, total: null };
 const grown = (n: number) => `req_grown${String(n).padStart(20, '0')}`;
 

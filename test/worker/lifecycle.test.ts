@@ -4,6 +4,7 @@
 // lane start each request once.
 import t, { type Test } from 'tap';
 import { claimLane } from '../../src/lanes/repository.ts';
+import { NO_LIMITS } from '../../src/upstream/upstreams.ts';
 import { finishAttempts } from '../../src/worker/attempts-repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
@@ -11,7 +12,6 @@ import { attemptRows, dispatchJobs, isTerminal, laneOf, requestRow, waitForRow }
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 
-const NO_LIMITS = { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined };
 const NO_USAGE = { prompt: null, completion: null, total: null };
 
 /** Starts the request's next attempt as a worker that then dies: no heartbeat row, nothing recorded. */
