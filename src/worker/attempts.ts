@@ -52,12 +52,9 @@ export const ABORTED_BY_TIMEOUT = 'timeout';
 /** Its request ended meanwhile (cancelled, or finished by another worker): its attempt is recorded already. */
 export const ABORTED_AS_ENDED = 'ended';
 
-/** What became of a request once its attempt was recorded; stale: another worker had taken it over. */
-export type Recorded = { status: 'completed'; result: string } | { status: 'failed' | 'retrying' | 'stale' };
-
 export interface Attempts {
   /** Calls the upstream with no database connection held, then records the outcome. Never rejects. */
-  run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded>;
+  run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<void>;
   /** Records attempts whose worker died as worker_lost (and retries them, attempts left). */
   recover(lost: readonly LostAttempt[]): Promise<void>;
   /**
@@ -102,14 +99,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       },
     });
 
-  async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<Recorded> {
+  async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<void> {
     const begun = performance.now();
     let outcome = await call(target, started, signal);
     const durationMs = Math.round(performance.now() - begun);
     if (signal.reason === ABORTED_AS_ENDED) {
       deps.metrics.attempts.inc({ mode: target.mode, outcome: 'cancelled', code: 'none' });
       log.debug({ requestId: started.id, attempt: started.attempt, durationMs }, 'call aborted: its request ended meanwhile');
-      return { status: 'stale' };
+      return;
     }
     if (!outcome.ok && signal.reason === ABORTED_BY_SHUTDOWN) {
       outcome = { ok: false, code: 'worker_lost', detail: 'the worker shut down before the upstream answered', upstreamStatus: null };
@@ -129,15 +126,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
           finished(started.id);
         }
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
-        return done ? { status: 'completed', result: outcome.result } : { status: 'stale' };
+      } else {
+        const failure = { code: outcome.code, detail: outcome.detail, upstreamStatus: outcome.upstreamStatus, durationMs };
+        await fail(started.id, started.attempt, failure, { retryAfterMs: outcome.retryAfterMs });
       }
-      const failure = { code: outcome.code, detail: outcome.detail, upstreamStatus: outcome.upstreamStatus, durationMs };
-      return await fail(started.id, started.attempt, failure, { retryAfterMs: outcome.retryAfterMs });
     } catch (error) {
       // Abandoned at shutdown, or a failure that no retry mends: the attempt stays running in the
       // database, and the sweep recovers it as worker_lost.
       log.error({ requestId: started.id, err: errorSummary(error) }, 'could not record an attempt');
-      return { status: 'stale' };
     }
   }
 
@@ -146,7 +142,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     try {
       return target.upstream === undefined
         ? await simulate({ ...request, attempt: started.attempt })
-        : await upstreams.call({ baseUrl: target.upstream.baseUrl, apiKey: target.upstream.apiKey }, request);
+        : await upstreams.call(target.upstream, request);
     } catch (error) {
       // The callers classify every failure they know; anything else is a bug on our side,
       // recorded as an invalid response so the request still ends (after its retries).
@@ -160,7 +156,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     attempt: number,
     failure: AttemptFailure,
     options: { retryAfterMs?: number | undefined; patienceMs?: number } = {},
-  ): Promise<Recorded> {
+  ): Promise<void> {
     const { retryAfterMs, patienceMs } = options;
     const retryable = ATTEMPT_ERRORS[failure.code as keyof typeof ATTEMPT_ERRORS]?.retryable ?? false;
     const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, attempt, retryAfterMs);
@@ -169,12 +165,11 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     if (retryable && attempt < deps.config.maxAttempts) {
       const scheduled = await record({ kind: 'retrying', id, attempt, delayMs, pauseMs, ...failure }, patienceMs);
       log.info({ requestId: id, attempt, code: failure.code, delayMs, stale: !scheduled }, 'attempt failed; retry scheduled');
-      return { status: scheduled ? 'retrying' : 'stale' };
+    } else {
+      const failed = await record({ kind: 'failed', id, attempt, pauseMs, ...failure }, patienceMs);
+      if (failed) finished(id);
+      log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
     }
-    const failed = await record({ kind: 'failed', id, attempt, pauseMs, ...failure }, patienceMs);
-    if (failed) finished(id);
-    log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
-    return { status: failed ? 'failed' : 'stale' };
   }
 
   function finished(id: string): void {
