@@ -12,8 +12,8 @@ export const DispatchLanePayload = v.object({
 export type DispatchLanePayload = v.InferOutput<typeof DispatchLanePayload>;
 
 /**
- * The job that named one attempt of one request, before requests waited in lanes. One left
- * in the queue by an earlier version wakes the request's lane instead.
+ * A job naming one request, queued by gateways whose schema predates lanes (sql/000008.sql);
+ * nothing queues it now. It wakes the request's lane.
  */
 export const PROCESS_REQUEST = 'process_request';
 

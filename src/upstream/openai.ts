@@ -1,6 +1,6 @@
 // Live mode: POST {base_url}/chat/completions on any OpenAI-compatible provider, through
-// undici's request API: thousands of calls stay in flight at once, and fetch (undici too, under
-// WHATWG streams and Response objects) cost twice the CPU and memory per call (BENCHMARKS.md).
+// undici's request API rather than fetch: thousands of calls stay in flight at once, and fetch
+// (undici too) wraps each in WHATWG streams and a Response object, which cost CPU and memory.
 import { Agent, request } from 'undici';
 import { parseRetryAfter } from '../client/retry.ts';
 import type { AttemptOutcome } from './outcome.ts';

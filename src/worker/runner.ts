@@ -53,47 +53,41 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
     logger: graphileLogger(deps.logger),
     crontab: [`*/5 * * * * ${CLEANUP_NONCES}`, `*/10 * * * * ${RETENTION}`].join('\n'),
     taskList: {
-      [DISPATCH_LANE]: dispatchLaneTask(deps),
-      [PROCESS_REQUEST]: processRequestTask(deps),
-      [DELIVER_WEBHOOK]: deliverWebhookTask(deps.deliverer, deps.logger),
+      [DISPATCH_LANE]: payloadTask(DISPATCH_LANE, DispatchLanePayload, deps.logger, (payload) =>
+        deps.dispatcher.dispatch(payload.lane_id),
+      ),
+      // A job naming one request (lanes/jobs.ts): it wakes the request's lane.
+      [PROCESS_REQUEST]: payloadTask(PROCESS_REQUEST, ProcessRequestPayload, deps.logger, async (payload) => {
+        const laneId = await findRequestLane(deps.db, payload.request_id);
+        if (laneId) await deps.dispatcher.dispatch(laneId);
+      }),
+      // Starts one try of a webhook message; the job ends once the try is under way (it holds no slot).
+      [DELIVER_WEBHOOK]: payloadTask(DELIVER_WEBHOOK, DeliverWebhookPayload, deps.logger, (payload) =>
+        deps.deliverer.deliver(payload.message_id),
+      ),
       [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
       [RETENTION]: retentionTask({ db: deps.db, config: deps.config, logger: deps.logger }),
     },
   };
 }
 
-function dispatchLaneTask(deps: WorkerDeps): Task {
-  const log = deps.logger.child({ component: 'worker' });
-  return async (rawPayload, helpers) => {
-    const parsed = v.safeParse(DispatchLanePayload, rawPayload);
-    if (!parsed.success) {
-      // Retrying cannot fix a payload that names no lane; drop the job, loudly.
-      log.error({ jobId: helpers.job.id }, 'dispatch_lane job with an invalid payload dropped');
-      return;
-    }
-    await deps.dispatcher.dispatch(parsed.output.lane_id);
-  };
-}
-
-/** Starts one try of a webhook message; the job ends once the try is under way (it holds no slot). */
-function deliverWebhookTask(deliverer: WebhookDeliverer, logger: Logger): Task {
+/**
+ * A task that reads its payload with `schema` and hands it to `handle`. Retrying cannot fix a
+ * payload that does not parse: such a job is dropped, loudly.
+ */
+function payloadTask<Schema extends v.GenericSchema>(
+  name: string,
+  schema: Schema,
+  logger: Logger,
+  handle: (payload: v.InferOutput<Schema>) => Promise<unknown>,
+): Task {
   const log = logger.child({ component: 'worker' });
   return async (rawPayload, helpers) => {
-    const parsed = v.safeParse(DeliverWebhookPayload, rawPayload);
+    const parsed = v.safeParse(schema, rawPayload);
     if (!parsed.success) {
-      log.error({ jobId: helpers.job.id }, 'deliver_webhook job with an invalid payload dropped');
+      log.error({ jobId: helpers.job.id }, `${name} job with an invalid payload dropped`);
       return;
     }
-    await deliverer.deliver(parsed.output.message_id);
-  };
-}
-
-/** A job of an earlier version, naming one attempt of a request: it wakes the request's lane. */
-function processRequestTask(deps: WorkerDeps): Task {
-  return async (rawPayload) => {
-    const parsed = v.safeParse(ProcessRequestPayload, rawPayload);
-    if (!parsed.success) return;
-    const laneId = await findRequestLane(deps.db, parsed.output.request_id);
-    if (laneId) await deps.dispatcher.dispatch(laneId);
+    await handle(parsed.output);
   };
 }
