@@ -32,7 +32,7 @@ export interface BatcherOptions<Item> {
 export const GROUP_BYTES = 16 * 1024 * 1024;
 
 /** What `write` returns per item: its result, or a promise of it when it is found apart from its group's. */
-export type Written<Result> = Result | Promise<Result>;
+type Written<Result> = Result | Promise<Result>;
 
 export class Batcher<Item, Result> {
   readonly #write: (items: Item[]) => Promise<Written<Result>[]>;

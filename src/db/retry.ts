@@ -15,7 +15,7 @@ export interface RetryOptions {
 }
 
 /** The longest wait between two tries. */
-export const MAX_RETRY_DELAY_MS = 2_000;
+const MAX_RETRY_DELAY_MS = 2_000;
 
 export async function whileUnavailable<T>(run: () => Promise<T>, options: RetryOptions): Promise<T> {
   const deadline = Date.now() + (options.maxWaitMs ?? Infinity);

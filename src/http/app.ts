@@ -73,7 +73,7 @@ export function createMetricsApp(deps: MetricsDeps): Koa<GatewayState> {
 }
 
 /** Whether PORT serves /metrics (see the top of this file). */
-export const metricsOnMainPort = (config: Pick<Config, 'metricsPort' | 'metricsToken'>): boolean =>
+const metricsOnMainPort = (config: Pick<Config, 'metricsPort' | 'metricsToken'>): boolean =>
   config.metricsPort === undefined && config.metricsToken !== undefined;
 
 function opsApp(deps: OpsDeps) {

@@ -207,10 +207,9 @@ export class IntakeLimits implements Intake {
     this.#take(bucket, now);
   }
 
-  /** Synchronises every `syncMs` from now on (not at all when no limit is set). */
+  /** Synchronises every `syncMs` from now on. */
   start(): void {
     if (this.#started || this.#stopped) return;
-    if (!this.#submits && !this.#lookups && this.#maxUnfinished === undefined) return;
     this.#started = true;
     this.#schedule();
   }
