@@ -10,7 +10,7 @@ import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream }
  * above what make bench's slow-upstream phase measures (BENCHMARKS.md). The default in-flight
  * capacity is the memory budget divided by this.
  */
-export const MEMORY_PER_CALL_KB = 20;
+const MEMORY_PER_CALL_KB = 20;
 /** The longest a test-delay-<ms> model may ask for, whatever UPSTREAM_TIMEOUT_MS says. */
 const TEST_DELAY_CEILING_MS = 600_000;
 
@@ -213,24 +213,27 @@ export class ConfigError extends Error {
 export function loadConfig(env: Record<string, string | undefined> = process.env): Config {
   const parsed = v.safeParse(Environment, env);
   if (!parsed.success) {
-    const problems = parsed.issues.map((issue) => {
-      const key = issue.path?.map((item) => String(item.key)).join('.') ?? '';
-      return issue.message.startsWith(key) ? issue.message : `${key}: ${issue.message}`;
-    });
-    throw new ConfigError(`Invalid settings:\n  ${problems.join('\n  ')}`);
+    throw invalidSettings(
+      parsed.issues.map((issue) => {
+        const key = issue.path?.map((item) => String(item.key)).join('.') ?? '';
+        return issue.message.startsWith(key) ? issue.message : `${key}: ${issue.message}`;
+      }),
+    );
   }
   const e = parsed.output;
+  // The checks across variables, each adding its problem to the one message.
+  const problems: string[] = [];
   if (e.METRICS_PORT !== undefined && e.METRICS_PORT !== 0 && e.METRICS_PORT === e.PORT) {
-    throw new ConfigError(`Invalid settings:\n  METRICS_PORT (${e.METRICS_PORT}) must not be PORT: metrics are served apart from the API`);
+    problems.push(`METRICS_PORT (${e.METRICS_PORT}) must not be PORT: metrics are served apart from the API`);
   }
-  const secretEncryptionKeys = parseEncryptionKeys(e.SECRET_ENCRYPTION_KEY, e.SECRET_ENCRYPTION_KEYS);
   if (e.SHUTDOWN_GRACE_MS >= e.WORKER_DEAD_AFTER_MS) {
     // A worker stopping past its dead-after time could see its calls, still under way, recovered
     // by another as lost, and run twice.
-    throw new ConfigError(
-      `Invalid settings:\n  SHUTDOWN_GRACE_MS (${e.SHUTDOWN_GRACE_MS}) must be below WORKER_DEAD_AFTER_MS (${e.WORKER_DEAD_AFTER_MS})`,
-    );
+    problems.push(`SHUTDOWN_GRACE_MS (${e.SHUTDOWN_GRACE_MS}) must be below WORKER_DEAD_AFTER_MS (${e.WORKER_DEAD_AFTER_MS})`);
   }
+  const secretEncryptionKeys = parseEncryptionKeys(e.SECRET_ENCRYPTION_KEY, e.SECRET_ENCRYPTION_KEYS, problems);
+  const upstreams = loadUpstreams(e.UPSTREAMS_FILE, env, e.UPSTREAM_BASE_URL, e.UPSTREAM_API_KEY, problems);
+  if (problems.length > 0) throw invalidSettings(problems);
   return Object.freeze({
     databaseUrl: e.DATABASE_URL,
     port: e.PORT,
@@ -244,7 +247,7 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     secretEncryptionKeys,
     metricsPort: e.METRICS_PORT,
     metricsToken: e.METRICS_TOKEN,
-    upstreams: loadUpstreams(e.UPSTREAMS_FILE, env, e.UPSTREAM_BASE_URL, e.UPSTREAM_API_KEY),
+    upstreams,
     upstreamTimeoutMs: e.UPSTREAM_TIMEOUT_MS,
     upstreamMaxResponseBytes: e.UPSTREAM_MAX_RESPONSE_BYTES,
     maxInFlight: e.MAX_IN_FLIGHT ?? Math.floor((e.UPSTREAM_MEMORY_MB * 1024) / MEMORY_PER_CALL_KB),
@@ -280,46 +283,54 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
   });
 }
 
+const invalidSettings = (problems: readonly string[]) => new ConfigError(`Invalid settings:\n  ${problems.join('\n  ')}`);
+
+/** The upstreams live requests go to; none, with the problem added to `problems`, when UPSTREAMS_FILE is bad. */
 function loadUpstreams(
   file: string | undefined,
   env: Record<string, string | undefined>,
   baseUrl: string,
   apiKey: string | undefined,
+  problems: string[],
 ): readonly Upstream[] {
   if (file === undefined) return [defaultUpstream(baseUrl, apiKey)];
   try {
     return loadUpstreamsFile(file, env);
   } catch (error) {
-    if (error instanceof UpstreamsFileError) throw new ConfigError(`Invalid settings:\n  UPSTREAMS_FILE: ${error.message}`);
-    throw error;
+    if (!(error instanceof UpstreamsFileError)) throw error;
+    problems.push(`UPSTREAMS_FILE: ${error.message}`);
+    return [];
   }
 }
 
 /**
  * SECRET_ENCRYPTION_KEY (one key), or SECRET_ENCRYPTION_KEYS (the key that encrypts, then keys
  * that only decrypt: the ones being rotated out); never both, so that no one wonders which wins.
+ * What is wrong is added to `problems`.
  */
-function parseEncryptionKeys(single: string | undefined, list: string | undefined): readonly Buffer[] {
+function parseEncryptionKeys(single: string | undefined, list: string | undefined, problems: string[]): readonly Buffer[] {
   if (single !== undefined && list !== undefined) {
-    throw new ConfigError(
-      'Invalid settings:\n  SECRET_ENCRYPTION_KEY and SECRET_ENCRYPTION_KEYS are both set: set only SECRET_ENCRYPTION_KEYS ' +
+    problems.push(
+      'SECRET_ENCRYPTION_KEY and SECRET_ENCRYPTION_KEYS are both set: set only SECRET_ENCRYPTION_KEYS ' +
         '(the key that encrypts first, then the keys that still decrypt), or only SECRET_ENCRYPTION_KEY',
     );
+    return Object.freeze([]);
   }
-  if (single !== undefined) return Object.freeze([parseEncryptionKey('SECRET_ENCRYPTION_KEY', single)]);
-  if (list === undefined) return Object.freeze([]);
-  return Object.freeze(
-    list.split(',').map((item, index) => parseEncryptionKey(`SECRET_ENCRYPTION_KEYS (key ${index + 1})`, item.trim())),
-  );
-}
-
-function parseEncryptionKey(name: string, value: string): Buffer {
-  const key = /^[0-9a-fA-F]{64}$/.test(value) ? Buffer.from(value, 'hex') : Buffer.from(value, 'base64');
-  if (key.length !== 32) {
-    throw new ConfigError(
-      `Invalid settings:\n  ${name} must be 32 bytes, written as 64 hex digits or in base64 ` +
-        '(for example the output of `openssl rand -base64 32`)',
-    );
+  const named =
+    single !== undefined
+      ? [{ name: 'SECRET_ENCRYPTION_KEY', value: single }]
+      : (list?.split(',') ?? []).map((item, index) => ({ name: `SECRET_ENCRYPTION_KEYS (key ${index + 1})`, value: item.trim() }));
+  const keys: Buffer[] = [];
+  for (const { name, value } of named) {
+    const key = /^[0-9a-fA-F]{64}$/.test(value) ? Buffer.from(value, 'hex') : Buffer.from(value, 'base64');
+    if (key.length === 32) {
+      keys.push(key);
+    } else {
+      problems.push(
+        `${name} must be 32 bytes, written as 64 hex digits or in base64 ` +
+          '(for example the output of `openssl rand -base64 32`)',
+      );
+    }
   }
-  return key;
+  return Object.freeze(keys);
 }
