@@ -75,6 +75,7 @@ t.test('test-delay beyond UPSTREAM_TIMEOUT_MS is a 400 naming model; up to it is
   t.equal(await countRows(gateway.db, 'requests'), 0, 'nothing stored');
   const refusedHuge = await client.post({ model: 'test-delay-999999999', messages: userMessage() });
   t.equal(refusedHuge.status, 400, 'nor a delay of days');
+  t.equal((await client.post({ model: 'test-delay-99999999999', messages: userMessage() })).status, 400, 'however many digits');
   t.equal((await client.post({ model: 'test-delay-5000', messages: userMessage() })).status, 202);
 });
 
