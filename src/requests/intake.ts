@@ -374,24 +374,32 @@ export class IntakeLimits implements Intake {
         this.#projects.delete(key);
         continue;
       }
-      counting.push({ project, admitted: project.admitted });
+      counting.push({ project, admitted: 0 });
     }
     if (counting.length === 0) return;
 
     let counts: number[];
     try {
-      counts = await repository.countUnfinished(
-        this.#db,
-        counting.map(({ project }) => project),
-        max + 1,
-      );
+      counts = await this.#db.connection().execute((connection) => {
+        // Read once the connection is held, as the statement leaves: a request admitted later
+        // is stored later still, so it cannot be in the count and stays added on. Read before
+        // waiting for a connection, the requests admitted and stored during the wait would be
+        // both in the count and added on, and refuse a project below its limit.
+        for (const entry of counting) entry.admitted = entry.project.admitted;
+        return repository.countUnfinished(
+          connection,
+          counting.map(({ project }) => project),
+          max + 1,
+        );
+      });
     } catch (error) {
       this.#failed('unfinished', error);
       return;
     }
     this.#succeeded('unfinished');
     for (const [index, { project, admitted }] of counting.entries()) {
-      // What was admitted while the count ran may not be in it: it stays added on.
+      // What was admitted before the statement left and is not stored yet is missing from the
+      // count until the next one: a project may go over its limit by that much, for one sync.
       project.counted = counts[index]!;
       project.admitted -= admitted;
     }

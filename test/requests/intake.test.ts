@@ -266,6 +266,31 @@ t.test('MAX_UNFINISHED_PER_PROJECT refuses a project and mode at its limit until
   t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key))), 'the third would be over the limit');
 });
 
+t.test('a request admitted and stored while the count waits for a connection is counted once', async (t) => {
+  const { url, pool } = await setup(t);
+  const key = await plantKey(pool, 'steady', 'test');
+  // The process's pool has one connection, which the test holds while the count waits for it.
+  const processPool = createPool(url, { max: 1, applicationName: 'intake-test', logger: silent });
+  t.teardown(() => processPool.end());
+  const limits = new IntakeLimits(createDb(processPool), limitsOf({ maxUnfinishedPerProject: 3 }));
+
+  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'the first');
+  await plantUnfinished(pool, key, 1);
+  await limits.sync();
+
+  const held = await processPool.connect();
+  const counting = limits.sync();
+  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'the second, while the count waits');
+  await plantUnfinished(pool, key, 1);
+  held.release();
+  await counting;
+
+  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'the third: two are unfinished, not three');
+  await plantUnfinished(pool, key, 1);
+  await limits.sync();
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key))), 'the fourth is over the limit');
+});
+
 t.test('stale counters are deleted by a sync, and a process deletes its own when it stops', async (t) => {
   const { pool, db } = await setup(t);
   const auth = await plantKey(pool, 'tidy', 'test');
