@@ -79,6 +79,7 @@ const Environment = v.object({
   UPSTREAM_MAX_RESPONSE_BYTES: integer('UPSTREAM_MAX_RESPONSE_BYTES', 2 * 1024 * 1024, 1024),
   UPSTREAMS_FILE: optionalText,
   UPSTREAM_MEMORY_MB: integer('UPSTREAM_MEMORY_MB', 256, 1, 1_000_000),
+  UPSTREAM_ANSWER_MEMORY_MB: integer('UPSTREAM_ANSWER_MEMORY_MB', 256, 1, 1_000_000),
   MAX_IN_FLIGHT: optionalInteger('MAX_IN_FLIGHT', 1),
   TEST_MAX_IN_FLIGHT: integer('TEST_MAX_IN_FLIGHT', 1_000, 1, 1_000_000),
 
@@ -154,6 +155,11 @@ export interface Config {
   readonly upstreamTimeoutMs: number;
   /** An upstream answer larger than this is upstream_invalid_response, read no further. */
   readonly upstreamMaxResponseBytes: number;
+  /**
+   * The memory a worker process gives to upstream answers larger than 16 KB while it reads them,
+   * all calls together; an answer that does not find its share free waits for it.
+   */
+  readonly upstreamAnswerMemoryBytes: number;
   /** Live upstream calls a worker process keeps in flight at most: MAX_IN_FLIGHT, or UPSTREAM_MEMORY_MB's worth. */
   readonly maxInFlight: number;
   /** Test-mode (simulated) calls a worker process keeps in flight at most, apart from the live ones. */
@@ -250,6 +256,7 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     upstreams,
     upstreamTimeoutMs: e.UPSTREAM_TIMEOUT_MS,
     upstreamMaxResponseBytes: e.UPSTREAM_MAX_RESPONSE_BYTES,
+    upstreamAnswerMemoryBytes: e.UPSTREAM_ANSWER_MEMORY_MB * 1024 * 1024,
     maxInFlight: e.MAX_IN_FLIGHT ?? Math.floor((e.UPSTREAM_MEMORY_MB * 1024) / MEMORY_PER_CALL_KB),
     testMaxInFlight: e.TEST_MAX_IN_FLIGHT,
     testDelayMaxMs: Math.min(e.UPSTREAM_TIMEOUT_MS, TEST_DELAY_CEILING_MS),

@@ -114,7 +114,7 @@ export class Metrics {
 
   /** gateway_waiters: wait=true requests held open in this process. */
   watchWaiters(waiters: { readonly size: number }): void {
-    this.#sizeGauge('waiters', 'wait=true requests currently held open by this process.', waiters);
+    this.#sizeGauge('waiters', 'wait=true requests currently held open by this process.', () => waiters.size);
   }
 
   /** gateway_upstream_calls_in_flight{mode}: calls this worker process has under way (MAX_IN_FLIGHT, TEST_MAX_IN_FLIGHT). */
@@ -130,14 +130,32 @@ export class Metrics {
     });
   }
 
-  /** A gauge read from `source.size` at each scrape. */
-  #sizeGauge(name: string, help: string, source: { readonly size: number }): void {
+  /**
+   * gateway_upstream_answer_memory_bytes: reserved by the large upstream answers this worker
+   * process is reading (UPSTREAM_ANSWER_MEMORY_MB); gateway_upstream_answers_waiting_for_memory:
+   * answers paused until their share is free.
+   */
+  watchAnswerMemory(memory: { readonly reserved: number; readonly waiting: number }): void {
+    this.#sizeGauge(
+      'upstream_answer_memory_bytes',
+      'Memory reserved by the upstream answers over 16 KB this worker process is reading (UPSTREAM_ANSWER_MEMORY_MB).',
+      () => memory.reserved,
+    );
+    this.#sizeGauge(
+      'upstream_answers_waiting_for_memory',
+      'Upstream answers over 16 KB paused, their connection idle, until UPSTREAM_ANSWER_MEMORY_MB has room for them.',
+      () => memory.waiting,
+    );
+  }
+
+  /** A gauge set from `read()` at each scrape. */
+  #sizeGauge(name: string, help: string, read: () => number): void {
     new client.Gauge({
       name: `${PREFIX}${name}`,
       help,
       registers: [this.registry],
       collect() {
-        this.set(source.size);
+        this.set(read());
       },
     });
   }

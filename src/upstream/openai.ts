@@ -3,6 +3,7 @@
 // (undici too) wraps each in WHATWG streams and a Response object, which cost CPU and memory.
 import { Agent, request } from 'undici';
 import { parseRetryAfter } from '../client/retry.ts';
+import { AnswerMemory, SMALL_ANSWER_BYTES } from './answer-memory.ts';
 import type { AttemptOutcome } from './outcome.ts';
 import { checkCompletion, failedWithStatus } from './outcome.ts';
 
@@ -24,15 +25,18 @@ export interface OpenAiOptions {
 export interface UpstreamClientOptions {
   /**
    * A 2xx answer larger than this is upstream_invalid_response, read no further
-   * (UPSTREAM_MAX_RESPONSE_BYTES): a chat completion is a few kilobytes, and every call in
-   * flight may hold this much at once.
+   * (UPSTREAM_MAX_RESPONSE_BYTES): a chat completion is a few kilobytes.
    */
   maxResponseBytes: number;
+  /** The memory for answers larger than SMALL_ANSWER_BYTES while they are read, all calls together (UPSTREAM_ANSWER_MEMORY_MB). */
+  answerMemoryBytes: number;
 }
 
 /** The connections of a worker's calls: as many per upstream as calls in flight, kept alive between them. */
 export class UpstreamClient {
   readonly #maxResponseBytes: number;
+  /** Large answers being read, and those waiting for memory to be read. */
+  readonly answerMemory: AnswerMemory;
   readonly #agent = new Agent({
     connections: null,
     keepAliveTimeout: KEEP_ALIVE_MS,
@@ -43,6 +47,7 @@ export class UpstreamClient {
 
   constructor(options: UpstreamClientOptions) {
     this.#maxResponseBytes = options.maxResponseBytes;
+    this.answerMemory = new AnswerMemory(options.answerMemoryBytes);
   }
 
   async call(options: OpenAiOptions, call: UpstreamCall): Promise<AttemptOutcome> {
@@ -72,18 +77,31 @@ export class UpstreamClient {
       detail: `the 2xx body is larger than ${this.#maxResponseBytes} bytes`,
       upstreamStatus: status,
     };
-    if (Number(header(response.headers['content-length'])) > this.#maxResponseBytes) {
+    const length = header(response.headers['content-length']);
+    const announced = length === null || !/^\d+$/.test(length) ? undefined : Number(length);
+    if (announced !== undefined && announced > this.#maxResponseBytes) {
       // Said so before a byte of it: not read at all (the connection is closed).
       response.body.destroy();
       return tooLarge;
     }
-    let text: string | undefined;
+    let release: (() => void) | undefined;
     try {
-      text = await readLimited(response.body, this.#maxResponseBytes);
-    } catch (error) {
-      return connectionFailure(error, call.signal);
+      let text: string | undefined;
+      try {
+        text = await readLimited(response.body, {
+          maxBytes: this.#maxResponseBytes,
+          // Past the small answers' share, memory for all that may still come, at once.
+          reserve: async () => {
+            release = await this.answerMemory.reserve(announced ?? this.#maxResponseBytes, call.signal);
+          },
+        });
+      } catch (error) {
+        return connectionFailure(error, call.signal);
+      }
+      return text === undefined ? tooLarge : checkCompletion(text, status);
+    } finally {
+      release?.();
     }
-    return text === undefined ? tooLarge : checkCompletion(text, status);
   }
 
   /** Closes the connections; calls still in flight are ended. */
@@ -92,14 +110,21 @@ export class UpstreamClient {
   }
 }
 
-/** The body as text; undefined as soon as it passes `maxBytes`. */
-async function readLimited(body: NodeJS.ReadableStream & AsyncIterable<Buffer>, maxBytes: number): Promise<string | undefined> {
+/**
+ * The body as text; undefined as soon as it passes `maxBytes`. Once past SMALL_ANSWER_BYTES, it
+ * awaits `reserve` before it reads on (the stream, and with it the connection, paused meanwhile).
+ */
+async function readLimited(
+  body: NodeJS.ReadableStream & AsyncIterable<Buffer>,
+  options: { maxBytes: number; reserve: () => Promise<void> },
+): Promise<string | undefined> {
   const chunks: Buffer[] = [];
   let size = 0;
   for await (const chunk of body) {
+    if (size <= SMALL_ANSWER_BYTES && size + chunk.byteLength > SMALL_ANSWER_BYTES) await options.reserve();
     size += chunk.byteLength;
     // Leaving the loop ends the stream, and with it the connection.
-    if (size > maxBytes) return undefined;
+    if (size > options.maxBytes) return undefined;
     chunks.push(chunk);
   }
   return Buffer.concat(chunks).toString('utf8');

@@ -30,7 +30,7 @@ import { retryDelay } from './backoff.ts';
 
 export interface AttemptDeps {
   db: Db;
-  config: Pick<Config, 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs' | 'upstreamMaxResponseBytes'>;
+  config: Pick<Config, 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs' | 'upstreamMaxResponseBytes' | 'upstreamAnswerMemoryBytes'>;
   metrics: Metrics;
   logger: Logger;
   /** Called after a request reached completed or failed, to wake waiters in this process. */
@@ -77,7 +77,11 @@ const finishBytes = (finish: Finish) => Buffer.byteLength(finish.kind === 'compl
 
 export function createAttempts(deps: AttemptDeps): Attempts {
   const log = deps.logger.child({ component: 'worker' });
-  const upstreams = new UpstreamClient({ maxResponseBytes: deps.config.upstreamMaxResponseBytes });
+  const upstreams = new UpstreamClient({
+    maxResponseBytes: deps.config.upstreamMaxResponseBytes,
+    answerMemoryBytes: deps.config.upstreamAnswerMemoryBytes,
+  });
+  deps.metrics.watchAnswerMemory(upstreams.answerMemory);
   const finishes = new Batcher<Finish, boolean>((items) => finishAttempts(deps.db, items), {
     maxInFlight: GROUP_STATEMENTS_IN_FLIGHT,
     maxBatch: 500,
