@@ -10,6 +10,11 @@
 // end, each hands its memory to the next in line, and none waits forever. (A reservation is at
 // most the whole budget.) The call's signal (its upstream timeout, a cancel, a shutdown) ends a
 // wait too.
+//
+// A waiting answer still holds what its connection had read when it paused: its first chunks,
+// and a chunk in each of undici's and the socket's buffers, about 250 KB measured
+// (bench/answer-memory.ts). So the worst case is this budget plus that much per call in flight,
+// not UPSTREAM_MAX_RESPONSE_BYTES per call.
 
 /** Answer bytes read without a reservation. */
 export const SMALL_ANSWER_BYTES = 16 * 1024;
