@@ -344,7 +344,7 @@ export async function runAdminCommand(config: Config, command: AdminCommand): Pr
  * Stops an API process whose encryption keys do not decrypt the stored signing secrets: it
  * would answer every signed request with a 500. (Before any key exists there is nothing to try.)
  */
-export async function assertSecretsDecrypt(db: Db, config: Pick<Config, 'secretEncryptionKeys'>): Promise<void> {
+async function assertSecretsDecrypt(db: Db, config: Pick<Config, 'secretEncryptionKeys'>): Promise<void> {
   if (config.secretEncryptionKeys.length === 0) throw noEncryptionKey();
   const keyId = await signingSecretNotDecrypted(db, config.secretEncryptionKeys);
   if (keyId === undefined) return;

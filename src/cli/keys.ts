@@ -2,13 +2,13 @@
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { reencryptSecrets } from '../keys/reencryption.ts';
-import { createKey, listKeys, MissingEncryptionKeyError, revokeKey } from '../keys/service.ts';
+import { createKey, listKeys, revokeKey } from '../keys/service.ts';
 import { CommandError, table } from './output.ts';
 import * as v from 'valibot';
 import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
 
-export async function createKeyCommand(
+async function createKeyCommand(
   db: Db,
   encryptionKey: Buffer | undefined,
   options: { project: string; mode: KeyMode; json: boolean },
@@ -33,7 +33,7 @@ export async function createKeyCommand(
   ].join('\n');
 }
 
-export async function listKeysCommand(db: Db, options: { project?: string; json: boolean }): Promise<string> {
+async function listKeysCommand(db: Db, options: { project?: string; json: boolean }): Promise<string> {
   const keys = await listKeys(db, options.project);
   const rows = keys.map((key) => ({
     id: key.id,
@@ -49,7 +49,7 @@ export async function listKeysCommand(db: Db, options: { project?: string; json:
   return table(rows, ['id', 'project', 'mode', 'key', 'status', 'created_at', 'revoked_at']);
 }
 
-export async function revokeKeyCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
+async function revokeKeyCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
   const key = await revokeKey(db, id);
   if (!key) throw new CommandError(`No key with id ${id}.`);
   if (options.json) return JSON.stringify({ id: key.id, project: key.project, mode: key.mode, revoked_at: key.revoked_at });
@@ -57,8 +57,7 @@ export async function revokeKeyCommand(db: Db, id: string, options: { json: bool
 }
 
 /** Every stored secret under the first of SECRET_ENCRYPTION_KEYS (see keys/reencryption.ts). */
-export async function reencryptKeysCommand(db: Db, encryptionKeys: readonly Buffer[], options: { json: boolean }): Promise<string> {
-  if (encryptionKeys.length === 0) throw new MissingEncryptionKeyError();
+async function reencryptKeysCommand(db: Db, encryptionKeys: readonly Buffer[], options: { json: boolean }): Promise<string> {
   const report = await reencryptSecrets(db, encryptionKeys);
   const { signingSecrets: keys, webhookEndpoints: endpoints, undecryptable } = report;
   const summary = options.json

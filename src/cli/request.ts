@@ -7,7 +7,7 @@ import type { Config } from '../config.ts';
 import { CommandError } from './output.ts';
 import { parse, UsageError } from './args.ts';
 
-export interface RequestCommand {
+interface RequestCommand {
   method: string;
   path: string;
   /** JSON text, `-` for standard input, or `@file`. */
@@ -15,7 +15,7 @@ export interface RequestCommand {
   verbose: boolean;
 }
 
-export async function requestCommand(
+async function requestCommand(
   client: Config['client'],
   command: RequestCommand,
   print: { out: (text: string) => void; err: (text: string) => void },

@@ -8,7 +8,7 @@ import * as v from 'valibot';
 import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
 
-export async function showRequestCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
+async function showRequestCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
   const detail = await findRequestDetail(db, id);
   if (!detail) throw new CommandError(`No request with id ${id}.`);
   if (options.json) return JSON.stringify(detail);
@@ -45,7 +45,7 @@ export async function showRequestCommand(db: Db, id: string, options: { json: bo
   return lines.join('\n');
 }
 
-export async function listRequestsCommand(
+async function listRequestsCommand(
   db: Db,
   options: { status?: RequestStatus; project?: string; mode?: KeyMode; limit: number; json: boolean },
 ): Promise<string> {
@@ -55,7 +55,7 @@ export async function listRequestsCommand(
   return table(rows, ['id', 'project', 'mode', 'status', 'attempts', 'last_error_code', 'model', 'created_at']);
 }
 
-export async function statsCommand(db: Db, options: { json: boolean }): Promise<string> {
+async function statsCommand(db: Db, options: { json: boolean }): Promise<string> {
   const state = await stats(db);
   if (options.json) return JSON.stringify(state);
   const waitingFor = state.waiting.oldest_created_at

@@ -7,7 +7,7 @@ import { table } from './output.ts';
 import type { AdminCommand } from '../main.ts';
 import { parse } from './args.ts';
 
-export async function upstreamsCommand(db: Db, upstreams: readonly Upstream[], options: { json: boolean }): Promise<string> {
+async function upstreamsCommand(db: Db, upstreams: readonly Upstream[], options: { json: boolean }): Promise<string> {
   const lanes = await laneStates(db);
   const configured = upstreams.map((upstream) => ({
     name: upstream.name,

@@ -7,7 +7,7 @@ import * as v from 'valibot';
 import type { AdminCommand } from '../main.ts';
 import { parse } from './args.ts';
 
-export async function usageCommand(db: Db, options: { project?: string; since?: string; json: boolean }): Promise<string> {
+async function usageCommand(db: Db, options: { project?: string; since?: string; json: boolean }): Promise<string> {
   const rows = await usageDaily(db, options);
   if (options.json) return JSON.stringify(rows);
   if (rows.length === 0) return 'No completed requests.';

@@ -6,7 +6,7 @@ import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
 import { WEBHOOK_ENDPOINT_ID } from '../ids.ts';
 
-export async function addWebhookCommand(
+async function addWebhookCommand(
   db: Db,
   settings: WebhookSettings,
   options: { project: string; url: string; events?: string[]; json: boolean },
@@ -33,7 +33,7 @@ export async function addWebhookCommand(
   ].join('\n');
 }
 
-export async function listWebhooksCommand(db: Db, options: { project?: string; json: boolean }): Promise<string> {
+async function listWebhooksCommand(db: Db, options: { project?: string; json: boolean }): Promise<string> {
   const endpoints = await listEndpoints(db, options.project);
   const rows = endpoints.map((endpoint) => ({
     id: endpoint.id,
@@ -54,7 +54,7 @@ export async function listWebhooksCommand(db: Db, options: { project?: string; j
   );
 }
 
-export async function removeWebhookCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
+async function removeWebhookCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
   const removed = await removeEndpoint(db, id);
   if (!removed) throw new CommandError(`No webhook endpoint with id ${id}.`);
   if (options.json) {
@@ -67,7 +67,7 @@ export async function removeWebhookCommand(db: Db, id: string, options: { json: 
   );
 }
 
-export async function rotateWebhookSecretCommand(
+async function rotateWebhookSecretCommand(
   db: Db,
   encryptionKey: Buffer | undefined,
   id: string,

@@ -112,10 +112,7 @@ export class KeyCache {
     if (this.#byKeyId.size >= this.#maxEntries) {
       // Maps keep insertion order: drop the oldest.
       const oldest = this.#byKeyId.values().next().value;
-      if (oldest) {
-        this.#byKeyId.delete(oldest.auth.keyId);
-        this.#keyIdBySha.delete(oldest.keySha256);
-      }
+      if (oldest) this.#drop(oldest);
     }
     const sha = keySha256.toString('hex');
     this.#byKeyId.set(auth.keyId, { auth, keySha256: sha, expiresAt: Date.now() + this.#ttlMs });

@@ -29,10 +29,13 @@ export interface WebhookSecretsChange {
   sealed: [Buffer, Buffer | null];
 }
 
-/** Up to `limit` keys' encrypted signing secrets, by id, after `afterId` (or by those ids). */
+/** Which rows a read takes: up to `limit` of them, by id, after `afterId`; or those ids. */
+export type ReadFrom = { afterId: string; limit: number } | { ids: string[] };
+
+/** Keys' encrypted signing secrets, by id. */
 export async function readSigningSecrets(
   db: Db,
-  from: { afterId: string; limit: number } | { ids: string[] },
+  from: ReadFrom,
 ): Promise<SealedSigningSecret[]> {
   let query = db.selectFrom('api_keys').select(['id', 'signing_secret_ciphertext']).orderBy('id');
   query = 'ids' in from ? query.where('id', 'in', from.ids) : query.where('id', '>', from.afterId).limit(from.limit);
@@ -44,7 +47,6 @@ export async function replaceSigningSecrets(
   db: Db,
   changes: SigningSecretChange[],
 ): Promise<Set<string>> {
-  if (changes.length === 0) return new Set();
   const { rows } = await sql<{ id: string }>`
     update gateway.api_keys as keys
     set signing_secret_ciphertext = changes.sealed
@@ -59,10 +61,10 @@ export async function replaceSigningSecrets(
   return new Set(rows.map((row) => row.id));
 }
 
-/** Up to `limit` webhook endpoints' encrypted secrets, by id, after `afterId` (or by those ids). */
+/** Webhook endpoints' encrypted secrets, by id. */
 export async function readWebhookSecrets(
   db: Db,
-  from: { afterId: string; limit: number } | { ids: string[] },
+  from: ReadFrom,
 ): Promise<SealedWebhookSecrets[]> {
   let query = db
     .selectFrom('webhook_endpoints')
@@ -80,7 +82,6 @@ export async function replaceWebhookSecrets(
   db: Db,
   changes: WebhookSecretsChange[],
 ): Promise<Set<string>> {
-  if (changes.length === 0) return new Set();
   const { rows } = await sql<{ id: string }>`
     update gateway.webhook_endpoints as endpoints
     set secret_ciphertext = changes.sealed, previous_secret_ciphertext = changes.sealed_previous

@@ -7,6 +7,7 @@
 import type { Db } from '../db/pool.ts';
 import * as repository from './reencryption-repository.ts';
 import { decryptWith, encryptSecret } from './secrets.ts';
+import { MissingEncryptionKeyError } from './service.ts';
 
 const BATCH = 500;
 
@@ -49,7 +50,7 @@ export async function reencryptSecrets(
   keys: readonly Buffer[],
   options: { batchSize?: number } = {},
 ): Promise<ReencryptionReport> {
-  if (keys.length === 0) throw new Error('reencryptSecrets needs at least one key');
+  if (keys.length === 0) throw new MissingEncryptionKeyError();
   const batchSize = options.batchSize ?? BATCH;
   const undecryptable: string[] = [];
 
@@ -98,7 +99,7 @@ export async function reencryptSecrets(
 async function reencryptTable<Row extends { id: string }, Change extends { id: string }>(table: {
   batchSize: number;
   undecryptable: string[];
-  read: (from: { afterId: string; limit: number } | { ids: string[] }) => Promise<Row[]>;
+  read: (from: repository.ReadFrom) => Promise<Row[]>;
   replace: (changes: Change[]) => Promise<Set<string>>;
   plan: (row: Row) => 'current' | 'undecryptable' | Change;
 }): Promise<Reencryption> {
@@ -115,7 +116,7 @@ async function reencryptTable<Row extends { id: string }, Change extends { id: s
         else if (planned === 'undecryptable') table.undecryptable.push(row.id);
         else changes.push(planned);
       }
-      const written = await table.replace(changes);
+      const written = changes.length === 0 ? new Set<string>() : await table.replace(changes);
       counts.reencrypted += written.size;
       const changed = changes.filter((change) => !written.has(change.id)).map((change) => change.id);
       rows = changed.length === 0 ? [] : await table.read({ ids: changed });

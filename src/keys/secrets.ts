@@ -26,13 +26,12 @@ export function encryptSecret(secret: string, ownerId: string, encryptionKey: Bu
  * The secret, decrypted with the first of the keys that can (GCM's tag tells a wrong key
  * apart); throws when none can.
  */
-export function decryptSecret(sealed: Buffer, ownerId: string, keys: Buffer | readonly Buffer[]): string {
-  const candidates = Buffer.isBuffer(keys) ? [keys] : keys;
-  for (const key of candidates) {
+export function decryptSecret(sealed: Buffer, ownerId: string, keys: readonly Buffer[]): string {
+  for (const key of keys) {
     const secret = decryptWith(sealed, ownerId, key);
     if (secret !== undefined) return secret;
   }
-  throw new Error(`the secret of ${ownerId} cannot be decrypted with ${candidates.length === 1 ? 'this key' : `any of these ${candidates.length} keys`}`);
+  throw new Error(`the secret of ${ownerId} cannot be decrypted with ${keys.length === 1 ? 'this key' : `any of these ${keys.length} keys`}`);
 }
 
 /** The secret, or undefined when this is not the key it was encrypted with. */

@@ -7,7 +7,7 @@ import { API_KEY, type KeyMode, newApiKey, newKeyId, newSigningSecret } from '..
 import type { Auth } from './auth.ts';
 import type { KeyCache } from './cache.ts';
 import * as repository from './repository.ts';
-import { decryptWith, encryptSecret, hashApiKey } from './secrets.ts';
+import { decryptSecret, encryptSecret, hashApiKey } from './secrets.ts';
 
 export type { KeyListing } from './repository.ts';
 
@@ -105,8 +105,12 @@ export async function authenticate(
 export async function signingSecretNotDecrypted(db: Db, encryptionKeys: readonly Buffer[]): Promise<string | undefined> {
   const newest = await repository.findNewestSigningSecret(db);
   if (newest === undefined) return undefined;
-  const decrypted = encryptionKeys.some((key) => decryptWith(newest.signing_secret_ciphertext, newest.id, key) !== undefined);
-  return decrypted ? undefined : newest.id;
+  try {
+    decryptSecret(newest.signing_secret_ciphertext, newest.id, encryptionKeys);
+    return undefined;
+  } catch {
+    return newest.id;
+  }
 }
 
 /** The key with that hash, unless there is none or it is revoked. */

@@ -16,8 +16,6 @@ interface Item {
 export interface InsertBatcherOptions {
   maxInFlight?: number;
   maxBatch?: number;
-  /** Bytes of request bodies in one statement at most. */
-  maxBytes?: number;
   onGroup?: (size: number) => void;
 }
 
@@ -28,7 +26,7 @@ export class InsertBatcher {
     this.#batcher = new Batcher((items) => writeGroup(db, items), {
       maxInFlight: options.maxInFlight ?? 2,
       maxBatch: options.maxBatch ?? 500,
-      maxBytes: { max: options.maxBytes ?? GROUP_BYTES, sizeOf: (item) => Buffer.byteLength(item.request.body) },
+      maxBytes: { max: GROUP_BYTES, sizeOf: (item) => Buffer.byteLength(item.request.body) },
       ...(options.onGroup ? { onGroup: options.onGroup } : {}),
     });
   }

@@ -11,11 +11,12 @@ import { findRequests, findResults, type RequestRow } from './read-repository.ts
 export interface RequestReadsOptions {
   /** Read statements under way at once, for each kind (groups of requests, large results). */
   maxInFlight?: number;
-  /** Requests read in one statement at most. */
-  maxBatch?: number;
   /** Bytes of results read in one statement at most. */
   maxBytes?: number;
 }
+
+/** Requests read in one statement at most. */
+const MAX_BATCH = 500;
 
 /** A large result to read: its request and its size. */
 interface LargeResult {
@@ -26,13 +27,12 @@ interface LargeResult {
 /** Reads requests by id (undefined for an id not found). */
 export function createRequestReads(db: Db, options: RequestReadsOptions = {}): Batcher<string, RequestRow | undefined> {
   const maxInFlight = options.maxInFlight ?? 2;
-  const maxBatch = options.maxBatch ?? 500;
   const maxBytes = options.maxBytes ?? GROUP_BYTES;
   // Results up to this size are read with their requests: a full group of them holds maxBytes.
-  const inlineResultBytes = Math.floor(maxBytes / maxBatch);
+  const inlineResultBytes = Math.floor(maxBytes / MAX_BATCH);
   const results = new Batcher<LargeResult, string | null | undefined>((items) => findResults(db, items.map((item) => item.id)), {
     maxInFlight,
-    maxBatch,
+    maxBatch: MAX_BATCH,
     maxBytes: { max: maxBytes, sizeOf: (item) => item.bytes },
   });
   return new Batcher(
@@ -46,6 +46,6 @@ export function createRequestReads(db: Db, options: RequestReadsOptions = {}): B
         return results.submit({ id: row.id, bytes }).then((result) => (result === undefined ? undefined : { ...row, result }));
       });
     },
-    { maxInFlight, maxBatch },
+    { maxInFlight, maxBatch: MAX_BATCH },
   );
 }

@@ -20,7 +20,6 @@ import type { RecordRow } from './record.ts';
 import type { Submission } from './schemas.ts';
 import type { Watch, Waiters } from './waiters.ts';
 
-export type { RequestRow } from './read-repository.ts';
 
 export interface RequestDeps {
   db: Db;

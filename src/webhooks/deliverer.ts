@@ -18,7 +18,7 @@ import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
-import { landWithin } from '../grace.ts';
+import { landWithin, type InFlight } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
@@ -107,7 +107,7 @@ export class WebhookDeliverer {
   readonly #log: Logger;
   readonly #agent: Agent;
   /** Tries in flight: each one's abort controller, and the promise of its end. */
-  readonly #tries = new Map<AbortController, Promise<void>>();
+  readonly #tries = new Map<AbortController, InFlight>();
   /** Claims under way (each may start a try): counted against the capacity, awaited by stop(). */
   readonly #claims = new Set<Promise<unknown>>();
   #stopping = false;
@@ -199,8 +199,9 @@ export class WebhookDeliverer {
   async #stop(): Promise<void> {
     this.#stopping = true;
     await Promise.allSettled([...this.#claims]);
-    const tries = () => [...this.#tries].map(([controller, done]) => ({ controller, done }));
-    await landWithin(this.#options.config.shutdownGraceMs, tries, ABORTED_BY_SHUTDOWN, () => this.#abandoning.abort());
+    await landWithin(this.#options.config.shutdownGraceMs, () => this.#tries.values(), ABORTED_BY_SHUTDOWN, () =>
+      this.#abandoning.abort(),
+    );
     await this.#agent.destroy();
   }
 
@@ -211,7 +212,7 @@ export class WebhookDeliverer {
       clearTimeout(timer);
       this.#tries.delete(controller);
     });
-    this.#tries.set(controller, done);
+    this.#tries.set(controller, { controller, done });
   }
 
   /** One try: send, then record how it went. Never rejects. */

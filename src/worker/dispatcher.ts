@@ -25,7 +25,7 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import { errorSummary, type Db } from '../db/pool.ts';
-import { landWithin } from '../grace.ts';
+import { landWithin, type InFlight } from '../grace.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import { addDispatch, claimLane, findLane, type Lane, type LaneClaim, type StartedAttempt } from '../lanes/repository.ts';
@@ -87,7 +87,7 @@ export class Dispatcher {
    */
   readonly #reserved: Record<KeyMode, number> = { live: 0, test: 0 };
   /** Calls in flight, by request id. */
-  readonly #calls = new Map<string, { controller: AbortController; done: Promise<unknown> }>();
+  readonly #calls = new Map<string, InFlight>();
   #stopping = false;
   #polling: NodeJS.Timeout | undefined;
 

@@ -66,8 +66,8 @@ t.test('webhooks add, list, rotate-secret and remove', async (t) => {
   t.notOk(stored.includes(endpoint.secret), 'no plain secret is stored');
   t.notOk(stored.includes(endpoint.secret.slice('whsec_'.length)), 'not even without its prefix');
   t.notOk(stored.includes(Buffer.from(endpoint.secret.slice('whsec_'.length), 'base64').toString('latin1')), 'nor its raw bytes');
-  t.equal(decryptSecret(rows[0].secret_ciphertext, endpoint.id, encryptionKey), endpoint.secret, 'it is kept encrypted, bound to the endpoint id');
-  t.throws(() => decryptSecret(rows[0].secret_ciphertext, 'whe_someotherendpoint00000', encryptionKey), 'and cannot be read as another endpoint\'s');
+  t.equal(decryptSecret(rows[0].secret_ciphertext, endpoint.id, [encryptionKey]), endpoint.secret, 'it is kept encrypted, bound to the endpoint id');
+  t.throws(() => decryptSecret(rows[0].secret_ciphertext, 'whe_someotherendpoint00000', [encryptionKey]), 'and cannot be read as another endpoint\'s');
 
   const listed = await gateway(['webhooks', 'list', '--project', 'acme', '--json'], env);
   t.equal(listed.code, 0, listed.stderr);
@@ -89,8 +89,8 @@ t.test('webhooks add, list, rotate-secret and remove', async (t) => {
   const overlap = Date.parse(rotation.previous_secret_expires_at) - Date.now();
   t.ok(overlap > 23.9 * 3600_000 && overlap <= 24 * 3600_000, 'the old secret keeps signing for 24 hours');
   const { rows: after } = await pool.query('select * from gateway.webhook_endpoints where id = $1', [endpoint.id]);
-  t.equal(decryptSecret(after[0].secret_ciphertext, endpoint.id, encryptionKey), rotation.secret, 'the new one is current');
-  t.equal(decryptSecret(after[0].previous_secret_ciphertext, endpoint.id, encryptionKey), endpoint.secret, 'the old one is kept beside it, encrypted');
+  t.equal(decryptSecret(after[0].secret_ciphertext, endpoint.id, [encryptionKey]), rotation.secret, 'the new one is current');
+  t.equal(decryptSecret(after[0].previous_secret_ciphertext, endpoint.id, [encryptionKey]), endpoint.secret, 'the old one is kept beside it, encrypted');
   const rotatedHuman = await gateway(['webhooks', 'rotate-secret', endpoint.id], env);
   t.match(rotatedHuman.stdout, /previous secret keeps signing deliveries beside this one until \d{4}-\d\d-\d\dT/);
   const relisted = JSON.parse((await gateway(['webhooks', 'list', '--project', 'acme', '--json'], env)).stdout);
