@@ -3,15 +3,19 @@
 // gives up.
 import { setTimeout as sleep } from 'node:timers/promises';
 import { Backoff } from '../backoff.ts';
-import { isDatabaseUnavailable } from './pool.ts';
+import type { Logger } from '../logger.ts';
+import { errorSummary, isDatabaseUnavailable } from './pool.ts';
 
 export interface RetryOptions {
   /** Give up (rethrow) once this much time has passed; unset: however long it takes. */
   maxWaitMs?: number;
   /** Give up (rethrow the last failure) once this is aborted, ending a wait under way at once. */
   signal?: AbortSignal;
-  /** Told of each retry: the failure, the wait before it, and how many retries so far (1 first). */
-  onRetry?: (error: unknown, delayMs: number, retries: number) => void;
+  /**
+   * Where the retries are logged, with `message` and `fields`: the first as a warning, the others
+   * at debug level (a long outage would otherwise log every statement waiting on it every 2 s).
+   */
+  log: { logger: Logger; message: string; fields?: Record<string, unknown> };
 }
 
 /** The longest wait between two tries. */
@@ -26,7 +30,9 @@ export async function whileUnavailable<T>(run: () => Promise<T>, options: RetryO
     } catch (error) {
       const delay = backoff.next();
       if (!isDatabaseUnavailable(error) || Date.now() + delay > deadline || options.signal?.aborted) throw error;
-      options.onRetry?.(error, delay, retries);
+      const fields = { ...options.log.fields, err: errorSummary(error), delayMs: delay, retries };
+      if (retries === 1) options.log.logger.warn(fields, options.log.message);
+      else options.log.logger.debug(fields, options.log.message);
       await sleep(delay, undefined, options.signal ? { signal: options.signal } : {}).catch(() => {});
       if (options.signal?.aborted) throw error;
     }

@@ -346,11 +346,7 @@ export class WebhookDeliverer {
   #db<T>(statement: () => Promise<T>, options: { untilAbandoned?: boolean } = {}): Promise<T> {
     return whileUnavailable(statement, {
       ...(options.untilAbandoned ? { signal: this.#abandoning.signal } : { maxWaitMs: OUTAGE_PATIENCE_MS }),
-      onRetry: (error, delayMs, retries) => {
-        // Once per statement, then quietly: a long outage would otherwise log every try's end every 2 s.
-        if (retries === 1) this.#log.warn({ err: errorSummary(error), delayMs }, 'database unavailable; retrying');
-        else this.#log.debug({ err: errorSummary(error), delayMs, retries }, 'database unavailable; retrying');
-      },
+      log: { logger: this.#log, message: 'database unavailable; retrying' },
     });
   }
 }

@@ -93,14 +93,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     whileUnavailable(() => finishes.submit(finish), {
       ...(maxWaitMs === undefined ? {} : { maxWaitMs }),
       signal: abandoning.signal,
-      onRetry: (error, delayMs, retries) => {
-        // Once per recording, then quietly: a long outage would otherwise log every finish every 2 s.
-        if (retries === 1) {
-          log.warn({ requestId: finish.id, err: errorSummary(error) }, 'database unavailable; retrying the recording until it is back');
-        } else {
-          log.debug({ requestId: finish.id, err: errorSummary(error), delayMs, retries }, 'database unavailable; retrying');
-        }
-      },
+      log: { logger: log, message: 'database unavailable; retrying the recording until it is back', fields: { requestId: finish.id } },
     });
 
   async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<void> {

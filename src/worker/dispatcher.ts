@@ -285,7 +285,7 @@ export class Dispatcher {
   #db<T>(statement: () => Promise<T>): Promise<T> {
     return whileUnavailable(statement, {
       maxWaitMs: OUTAGE_PATIENCE_MS,
-      onRetry: (error, delayMs) => this.#log.warn({ err: errorSummary(error), delayMs }, 'database unreachable; retrying'),
+      log: { logger: this.#log, message: 'database unavailable; retrying' },
     });
   }
 }
