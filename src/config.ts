@@ -136,11 +136,10 @@ export interface Config {
   readonly maxBodyBytes: number;
   readonly signatures: 'required' | 'optional';
   /**
-   * The 32-byte key that encrypts signing secrets and webhook secrets at rest (the first of
-   * SECRET_ENCRYPTION_KEYS, or SECRET_ENCRYPTION_KEY); undefined until set.
+   * The 32-byte keys of signing secrets and webhook secrets at rest (SECRET_ENCRYPTION_KEYS, or
+   * SECRET_ENCRYPTION_KEY): the first encrypts, every one may decrypt (the others: keys being
+   * rotated out). Empty until set.
    */
-  readonly secretEncryptionKey: Buffer | undefined;
-  /** Every key that may decrypt them, the encrypting one first (the others: keys being rotated out); empty until set. */
   readonly secretEncryptionKeys: readonly Buffer[];
   /**
    * Where GET /metrics is served: a port of its own (METRICS_PORT; 0 picks a free one), or the
@@ -249,7 +248,6 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     waitTimeoutMs: e.WAIT_TIMEOUT_MS,
     maxBodyBytes: e.MAX_BODY_BYTES,
     signatures: e.SIGNATURES,
-    secretEncryptionKey: secretEncryptionKeys[0],
     secretEncryptionKeys,
     metricsPort: e.METRICS_PORT,
     metricsToken: e.METRICS_TOKEN,

@@ -32,7 +32,7 @@ export async function openDatabase(config: Config, logger: Logger): Promise<Loca
 
 /** The config, with a SECRET_ENCRYPTION_KEY kept under DATA_DIR when none is set. */
 export async function withLocalSecrets(config: Config): Promise<Config> {
-  if (config.secretEncryptionKey !== undefined) return config;
+  if (config.secretEncryptionKeys.length > 0) return config;
   const file = path.join(config.dataDir, 'secret-encryption-key');
   let key: Buffer;
   if (existsSync(file)) {
@@ -42,5 +42,5 @@ export async function withLocalSecrets(config: Config): Promise<Config> {
     await mkdir(config.dataDir, { recursive: true });
     await writeFile(file, `${key.toString('base64')}\n`, { mode: 0o600 });
   }
-  return Object.freeze({ ...config, secretEncryptionKey: key, secretEncryptionKeys: Object.freeze([key]) });
+  return Object.freeze({ ...config, secretEncryptionKeys: Object.freeze([key]) });
 }

@@ -256,8 +256,8 @@ export async function start(baseConfig: Config): Promise<void> {
             databaseUrl: database.url,
             // The key generated under DATA_DIR, when none was set (a set one reaches them as it is).
             childEnv:
-              baseConfig.secretEncryptionKey === undefined && config.secretEncryptionKey
-                ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKey.toString('base64') }
+              baseConfig.secretEncryptionKeys.length === 0 && config.secretEncryptionKeys[0]
+                ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKeys[0].toString('base64') }
                 : {},
           })
         : await startGateway({ config, logger, role: 'all', databaseUrl: database.url });

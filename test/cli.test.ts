@@ -69,7 +69,7 @@ t.test('keys create, list and revoke', async (t) => {
   const service = await startTestGateway(t, { role: 'api' });
   const env = {
     DATABASE_URL: service.databaseUrl,
-    SECRET_ENCRYPTION_KEY: service.config.secretEncryptionKey!.toString('base64'),
+    SECRET_ENCRYPTION_KEY: service.config.secretEncryptionKeys[0]!.toString('base64'),
   };
 
   const created = await runCli(['keys', 'create', '--project', 'acme', '--mode', 'test', '--json'], env);

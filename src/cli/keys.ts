@@ -92,7 +92,7 @@ export function parseKeysCommand(args: string[]): AdminCommand {
       });
       if (values.project === undefined) throw new UsageError('keys create needs --project <name>.');
       const mode = v.parse(v.picklist(['live', 'test'], '--mode must be live or test'), values.mode);
-      return (db, { config }) => createKeyCommand(db, config.secretEncryptionKey, { project: values.project!, mode, json: values.json! });
+      return (db, { config }) => createKeyCommand(db, config.secretEncryptionKeys[0], { project: values.project!, mode, json: values.json! });
     }
     case 'list': {
       const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });

@@ -113,7 +113,7 @@ export function parseWebhooksCommand(args: string[]): AdminCommand {
       return (db, { config }) =>
         addWebhookCommand(
           db,
-          { encryptionKey: config.secretEncryptionKey, allowPrivate: config.webhooks.allowPrivate },
+          { encryptionKey: config.secretEncryptionKeys[0], allowPrivate: config.webhooks.allowPrivate },
           { project: values.project!, url: values.url!, json: values.json!, ...(events ? { events } : {}) },
         );
     }
@@ -129,7 +129,7 @@ export function parseWebhooksCommand(args: string[]): AdminCommand {
     case 'rotate-secret': {
       const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);
       const id = endpointIdOf('rotate-secret', positionals);
-      return (db, { config }) => rotateWebhookSecretCommand(db, config.secretEncryptionKey, id, { json: values.json! });
+      return (db, { config }) => rotateWebhookSecretCommand(db, config.secretEncryptionKeys[0], id, { json: values.json! });
     }
     default:
       throw new UsageError('webhooks takes add, list, remove or rotate-secret.');

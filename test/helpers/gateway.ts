@@ -100,7 +100,7 @@ export async function startTestGateway(
     waiters: gateway.waiters,
     keys: gateway.keys,
     createKey: (keyOptions = {}) =>
-      createKey(db, config.secretEncryptionKey, {
+      createKey(db, config.secretEncryptionKeys[0], {
         project: keyOptions.project ?? 'test-project',
         mode: keyOptions.mode ?? 'test',
       }),

@@ -39,13 +39,13 @@ export function spawnServe(t: Teardown, env: Record<string, string>, args: strin
  * key, listening on `port` on loopback; `settings` add to them or override them.
  */
 export function serveSettings(
-  gateway: { databaseUrl: string; config: Pick<Config, 'secretEncryptionKey'> },
+  gateway: { databaseUrl: string; config: Pick<Config, 'secretEncryptionKeys'> },
   port: number,
   settings: Record<string, string> = {},
 ): Record<string, string> {
   return {
     DATABASE_URL: gateway.databaseUrl,
-    SECRET_ENCRYPTION_KEY: gateway.config.secretEncryptionKey!.toString('base64'),
+    SECRET_ENCRYPTION_KEY: gateway.config.secretEncryptionKeys[0]!.toString('base64'),
     PORT: String(port),
     HOST: '127.0.0.1',
     ...settings,

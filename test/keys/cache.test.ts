@@ -193,7 +193,7 @@ async function createKnownKey(gateway: TestGateway, apiKey: string): Promise<Cre
     mode: 'test',
     key_sha256: hashApiKey(apiKey),
     key_hint: apiKey.slice(-4),
-    signing_secret_ciphertext: encryptSecret(signingSecret, id, gateway.config.secretEncryptionKey!),
+    signing_secret_ciphertext: encryptSecret(signingSecret, id, gateway.config.secretEncryptionKeys[0]!),
   });
   return { id, project: 'test-project', mode: 'test', api_key: apiKey, signing_secret: signingSecret };
 }

@@ -33,7 +33,7 @@ t.test('SECRET_ENCRYPTION_KEYS: the first key encrypts, every one decrypts; neve
   const [first, second] = [newKey(), newKey()];
   const config = loadConfig({ SECRET_ENCRYPTION_KEYS: `${first.toString('hex')}, ${second.toString('base64')}` });
   t.same(config.secretEncryptionKeys, [first, second], 'hex or base64, in order');
-  t.same(config.secretEncryptionKey, first, 'the first is the one that encrypts');
+  t.same(config.secretEncryptionKeys[0], first, 'the first is the one that encrypts');
   t.same(loadConfig({ SECRET_ENCRYPTION_KEY: first.toString('base64') }).secretEncryptionKeys, [first], 'SECRET_ENCRYPTION_KEY: the one key');
   t.same(loadConfig({}).secretEncryptionKeys, []);
   t.throws(

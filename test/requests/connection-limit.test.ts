@@ -47,7 +47,7 @@ t.test(`a role limited to ${CONNECTION_LIMIT} connections, a pool of 10, many re
   t.teardown(() => adminPool.end());
   const adminDb = createDb(adminPool);
   const keys = await Promise.all(
-    Array.from({ length: 30 }, (_, i) => createKey(adminDb, gateway.config.secretEncryptionKey, { project: `limited-${i}`, mode: 'test' })),
+    Array.from({ length: 30 }, (_, i) => createKey(adminDb, gateway.config.secretEncryptionKeys[0], { project: `limited-${i}`, mode: 'test' })),
   );
 
   const answers = await Promise.all(

@@ -271,7 +271,7 @@ t.test('without WEBHOOK_ALLOW_PRIVATE, loopback is refused: a name resolving to 
   const byAddress = await gateway.createKey({ project: 'by-address' });
   // A name passes the check made when the endpoint is added (https, as required without WEBHOOK_ALLOW_PRIVATE).
   const { addEndpoint } = await import('../../src/webhooks/endpoints.ts');
-  await addEndpoint(gateway.db, { encryptionKey: gateway.config.secretEncryptionKey, allowPrivate: false }, {
+  await addEndpoint(gateway.db, { encryptionKey: gateway.config.secretEncryptionKeys[0], allowPrivate: false }, {
     project: 'by-name',
     url: `https://localhost:${receiver.port}/hooks`,
   });
@@ -303,7 +303,7 @@ t.test('a rotated secret: both sign during the overlap, each verifying on its ow
   const key = await gateway.createKey();
   const receiver = await startReceiver(t);
   const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
-  const rotated = await rotateSecret(gateway.db, gateway.config.secretEncryptionKey, endpoint.id);
+  const rotated = await rotateSecret(gateway.db, gateway.config.secretEncryptionKeys[0], endpoint.id);
   t.ok(rotated);
   t.not(rotated!.secret, endpoint.secret);
   const overlap = rotated!.previous_secret_expires_at.getTime() - Date.now();

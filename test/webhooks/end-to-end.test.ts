@@ -159,7 +159,7 @@ t.test('a worker SIGKILLed during its tries: after a new worker starts, every ev
     ...TEST_SETTINGS,
     ...WEBHOOK_SETTINGS,
     DATABASE_URL: api.databaseUrl,
-    SECRET_ENCRYPTION_KEY: api.config.secretEncryptionKey!.toString('base64'),
+    SECRET_ENCRYPTION_KEY: api.config.secretEncryptionKeys[0]!.toString('base64'),
     WORKER_DEAD_AFTER_MS: '1000',
   };
   const started = async (worker: ServeProcess) => until(() => worker.output().includes('gateway started'), () => `the worker started:\n${worker.output()}`, 30_000);
@@ -200,7 +200,7 @@ t.test('a rotated secret: deliveries during the overlap verify with the old secr
   const key = await gateway.createKey();
   const receiver = await startReceiver(t);
   const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
-  const rotated = await rotateSecret(gateway.db, gateway.config.secretEncryptionKey, endpoint.id);
+  const rotated = await rotateSecret(gateway.db, gateway.config.secretEncryptionKeys[0], endpoint.id);
   receiver.secrets = [endpoint.secret, rotated!.secret];
   const client = clientFor(gateway.url, key);
   for (let i = 0; i < 3; i++) await client.post({ model: i === 2 ? 'test-error-400' : 'test-echo', messages: userMessage() });
@@ -214,7 +214,7 @@ t.test('without WEBHOOK_ALLOW_PRIVATE an endpoint named localhost is refused at 
   const key = await gateway.createKey();
   const receiver = await startReceiver(t);
   // A name passes the check made when the endpoint is added; it resolves to 127.0.0.1 (or ::1).
-  await addEndpoint(gateway.db, { encryptionKey: gateway.config.secretEncryptionKey, allowPrivate: false }, {
+  await addEndpoint(gateway.db, { encryptionKey: gateway.config.secretEncryptionKeys[0], allowPrivate: false }, {
     project: 'test-project',
     url: `https://localhost:${receiver.port}/hooks`,
   });

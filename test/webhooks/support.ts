@@ -128,7 +128,7 @@ export async function addTestEndpoint(
 ): Promise<CreatedEndpoint> {
   return addEndpoint(
     gateway.db,
-    { encryptionKey: gateway.config.secretEncryptionKey, allowPrivate: true },
+    { encryptionKey: gateway.config.secretEncryptionKeys[0], allowPrivate: true },
     { project: options.project ?? 'test-project', url: options.url, ...(options.events ? { events: options.events } : {}) },
   );
 }

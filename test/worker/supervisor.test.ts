@@ -109,7 +109,7 @@ t.test('a worker whose event loop stalls for 2 s keeps its heartbeat row and its
     {
       ...TEST_SETTINGS,
       DATABASE_URL: api.databaseUrl,
-      SECRET_ENCRYPTION_KEY: api.config.secretEncryptionKey!.toString('base64'),
+      SECRET_ENCRYPTION_KEY: api.config.secretEncryptionKeys[0]!.toString('base64'),
       UPSTREAM_BASE_URL: upstream.baseUrl,
       UPSTREAM_TIMEOUT_MS: '60000',
       NODE_OPTIONS: `--import ${new URL('../helpers/stall-on-signal.ts', import.meta.url).pathname}`,
