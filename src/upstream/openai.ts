@@ -71,37 +71,38 @@ export class UpstreamClient {
       await response.body.dump({ limit: 64 * 1024 }).catch(() => {});
       return failedWithStatus(status, parseRetryAfter(header(response.headers['retry-after'])));
     }
-    const tooLarge: AttemptOutcome = {
-      ok: false,
-      code: 'upstream_invalid_response',
-      detail: `the 2xx body is larger than ${this.#maxResponseBytes} bytes`,
-      upstreamStatus: status,
-    };
     const length = header(response.headers['content-length']);
     const announced = length === null || !/^\d+$/.test(length) ? undefined : Number(length);
     if (announced !== undefined && announced > this.#maxResponseBytes) {
       // Said so before a byte of it: not read at all (the connection is closed).
       response.body.destroy();
-      return tooLarge;
+      return this.#tooLarge(status);
     }
     let release: (() => void) | undefined;
     try {
-      let text: string | undefined;
-      try {
-        text = await readLimited(response.body, {
-          maxBytes: this.#maxResponseBytes,
-          // Past the small answers' share, memory for all that may still come, at once.
-          reserve: async () => {
-            release = await this.answerMemory.reserve(announced ?? this.#maxResponseBytes, call.signal);
-          },
-        });
-      } catch (error) {
-        return connectionFailure(error, call.signal);
-      }
-      return text === undefined ? tooLarge : checkCompletion(text, status);
+      const text = await readLimited(response.body, {
+        maxBytes: this.#maxResponseBytes,
+        // Past the small answers' share, memory for all that may still come, at once.
+        reserve: async () => {
+          release = await this.answerMemory.reserve(announced ?? this.#maxResponseBytes, call.signal);
+        },
+      });
+      // checkCompletion never throws: it turns what it cannot parse into an outcome.
+      return text === undefined ? this.#tooLarge(status) : checkCompletion(text, status);
+    } catch (error) {
+      return connectionFailure(error, call.signal);
     } finally {
       release?.();
     }
+  }
+
+  #tooLarge(status: number): AttemptOutcome {
+    return {
+      ok: false,
+      code: 'upstream_invalid_response',
+      detail: `the 2xx body is larger than ${this.#maxResponseBytes} bytes`,
+      upstreamStatus: status,
+    };
   }
 
   /** Closes the connections; calls still in flight are ended. */
