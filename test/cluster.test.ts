@@ -74,14 +74,31 @@ t.test('METRICS_TOKEN without METRICS_PORT: any API process answers /metrics for
   await until(() => serve.output().includes('API processes listening'), () => `the API processes:\n${serve.output()}`, 10_000);
   const url = `http://127.0.0.1:${port}`;
   const client = clientFor(url, key);
-  for (let i = 0; i < 10; i++) t.equal((await client.post({ model: 'test-echo', messages: userMessage(`n${i}`) })).status, 202);
+  /** The pids of the API processes that answered `route` with `status`, from their log lines. */
+  const answeredBy = (route: string, status: number) =>
+    new Set(
+      serve
+        .output()
+        .split('\n')
+        .filter((line) => line.includes(`"route":"${route}"`) && line.includes(`"status":${status}`))
+        .map((line) => JSON.parse(line).pid as number),
+    );
+  // At once, so on several connections, which the cluster hands to its processes in turn.
+  const accepted = await Promise.all(
+    Array.from({ length: 10 }, (_, i) => client.post({ model: 'test-echo', messages: userMessage(`n${i}`) })),
+  );
+  t.same(accepted.map((answer) => answer.status), Array(10).fill(202));
+  t.equal(answeredBy('/v1/chat/completions', 202).size, 2, 'both API processes accepted some');
 
   t.equal((await send(url, { path: '/metrics' })).status, 401, 'the token is required');
-  for (let i = 0; i < 4; i++) {
-    const metrics = await send(url, { path: '/metrics', headers: { authorization: 'Bearer cluster-scrape-token' } });
+  const scrapes = await Promise.all(
+    Array.from({ length: 8 }, () => send(url, { path: '/metrics', headers: { authorization: 'Bearer cluster-scrape-token' } })),
+  );
+  for (const [i, metrics] of scrapes.entries()) {
     t.equal(metrics.status, 200);
-    t.match(metrics.text, /gateway_requests_accepted_total\{mode="test"\} 10\n/, `scrape ${i + 1}: all 10, whichever process answered`);
+    t.match(metrics.text, /gateway_requests_accepted_total\{mode="test"\} 10\n/, `scrape ${i + 1}: all 10`);
   }
+  t.equal(answeredBy('/metrics', 200).size, 2, 'answered by both API processes, each counting the other\'s');
   serve.child.kill('SIGTERM');
   t.equal(await serve.exited, 0);
 });

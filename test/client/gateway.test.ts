@@ -11,7 +11,7 @@ import {
   type ChatMessage,
 } from '../../src/client/index.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
-import { until } from '../helpers/wait.ts';
+import { waitForRow } from '../helpers/rows.ts';
 import { signaturesOf, startFlakyProxy } from './proxy.ts';
 
 const messages = (content = 'Hello there'): ChatMessage[] => [{ role: 'user', content }];
@@ -169,8 +169,7 @@ t.test('retries through a 503 and a dropped connection make exactly one request'
 t.test('cancel: a running request becomes cancelled, a second cancel answers it again, a finished one throws ConflictError', async (t) => {
   const { gateway, client } = await setUp(t, { UPSTREAM_TIMEOUT_MS: '30000' });
   const running = await client.chat.completions.create({ model: 'test-delay-20000', messages: messages('too slow'), wait: false });
-  const statusOf = async (id: string) => (await requestRows(gateway)).find((row) => row.id === id)?.status;
-  await until(async () => (await statusOf(running.id)) === 'processing', 'the request to be processing', 10_000);
+  await waitForRow(gateway.db, running.id, (row) => row.status === 'processing', 10_000);
   const cancelled = await client.requests.cancel(running.id);
   t.match(cancelled, { id: running.id, status: 'cancelled', attempts: 1 }, 'cancelled during its first attempt');
   t.same(await client.requests.cancel(running.id), cancelled, 'cancelling it again answers its record again');

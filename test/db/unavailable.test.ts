@@ -6,9 +6,10 @@ import pg from 'pg';
 import t from 'tap';
 import { createDb, createPool, isDatabaseUnavailable, isUnavailableState } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
-import { createTestDatabase, urlForDatabase } from '../helpers/database.ts';
+import { adminQuery, createTestDatabase, urlForDatabase } from '../helpers/database.ts';
 import { freePort } from '../helpers/ports.ts';
 import { startTcpProxy } from '../helpers/tcp-proxy.ts';
+import { until } from '../helpers/wait.ts';
 
 const logger = createLogger({ logLevel: 'silent' });
 
@@ -107,16 +108,14 @@ t.test('against a real server: what each failure is', async (t) => {
   t.ok(isDatabaseUnavailable(timedOut), 'a statement timeout (57014) is unavailable');
 
   const terminated = failure(() => sql`select pg_sleep(10)`.execute(db));
-  const admin = new pg.Client({ connectionString: url });
-  await admin.connect();
-  t.teardown(() => admin.end());
-  for (let found = 0; found === 0; ) {
-    await new Promise((resolve) => setTimeout(resolve, 20));
-    const { rowCount } = await admin.query(
-      `select pg_terminate_backend(pid) from pg_stat_activity where query = 'select pg_sleep(10)' and pid <> pg_backend_pid()`,
-    );
-    found = rowCount ?? 0;
-  }
+  await adminQuery(url, (admin) =>
+    until(async () => {
+      const { rowCount } = await admin.query(
+        `select pg_terminate_backend(pid) from pg_stat_activity where query = 'select pg_sleep(10)' and pid <> pg_backend_pid()`,
+      );
+      return (rowCount ?? 0) > 0;
+    }, 'the sleeping statement to be terminated'),
+  );
   const shutdown = await terminated;
   t.match(shutdown, { code: '57P01' });
   t.ok(isDatabaseUnavailable(shutdown), 'a terminated backend (57P01 admin_shutdown) is unavailable');
@@ -144,7 +143,14 @@ t.test("pg's own failures to get or keep a connection are unavailable, though th
 
   // The connection is dropped under a statement, without a word from the server.
   const running = failure(() => sql`select pg_sleep(10)`.execute(db));
-  await new Promise((resolve) => setTimeout(resolve, 200));
+  await adminQuery(url, (admin) =>
+    until(async () => {
+      const { rowCount } = await admin.query(
+        `select from pg_stat_activity where application_name = 'unavailable-test' and query = 'select pg_sleep(10)' and state = 'active'`,
+      );
+      return (rowCount ?? 0) > 0;
+    }, 'the statement to be running'),
+  );
   proxy.cut();
   const dropped = await running;
   t.match(dropped, { message: /Connection terminated unexpectedly/ });

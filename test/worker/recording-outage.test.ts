@@ -98,9 +98,10 @@ t.test(`an answer and a webhook try's end are recorded after a ${OUTAGE_MS / 100
 });
 
 t.test('at shutdown past its grace, a recording still waiting for the database is given up: the attempt stays running for the sweep', async (t) => {
-  const { gateway, proxy, attempts, run, started } = await setup(t);
+  const { gateway, proxy, upstream, attempts, run, started, logs } = await setup(t);
   const recording = run(new AbortController().signal);
-  await sleep(3_000);
+  await until(() => logs.some((line) => line.includes('retrying the recording until it is back')), 'the recording to wait for the database', 10_000);
+  t.equal(upstream.calls.length, 1, 'the upstream answered');
   t.equal(await settledWithin(recording, 0), undefined, 'still retrying');
   const abandoned = Date.now();
   attempts.abandonRecordings();

@@ -7,7 +7,7 @@ import { sweep } from '../../src/worker/supervisor-repository.ts';
 import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
-import { spawnServe } from '../helpers/serve.ts';
+import { serveSettings, spawnServe } from '../helpers/serve.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 
@@ -106,14 +106,12 @@ t.test('a worker whose event loop stalls for 2 s keeps its heartbeat row and its
   // WORKER_DEAD_AFTER_MS is the default (7 s), in both workers.
   const stalling = spawnServe(
     t,
-    {
+    serveSettings(api, 0, {
       ...TEST_SETTINGS,
-      DATABASE_URL: api.databaseUrl,
-      SECRET_ENCRYPTION_KEY: api.config.secretEncryptionKeys[0]!.toString('base64'),
       UPSTREAM_BASE_URL: upstream.baseUrl,
       UPSTREAM_TIMEOUT_MS: '60000',
       NODE_OPTIONS: `--import ${new URL('../helpers/stall-on-signal.ts', import.meta.url).pathname}`,
-    },
+    }),
     ['--role', 'worker'],
   );
   await until(() => stalling.output().includes('worker pool started'), () => `the worker:\n${stalling.output()}`, 15_000);
@@ -158,24 +156,25 @@ t.test('a worker whose event loop stalls for 2 s keeps its heartbeat row and its
 t.test('a stopping worker keeps its heartbeat until its call has landed: no other worker takes the call for lost, and its answer is recorded', async (t) => {
   const upstream = await heldUpstream(t);
   const stopping = await startTestGateway(t, {
-    env: { UPSTREAM_BASE_URL: upstream.baseUrl, UPSTREAM_TIMEOUT_MS: '60000', WORKER_DEAD_AFTER_MS: '2000', SHUTDOWN_GRACE_MS: '1900' },
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, UPSTREAM_TIMEOUT_MS: '60000', WORKER_DEAD_AFTER_MS: '4000', SHUTDOWN_GRACE_MS: '3900' },
   });
   const accepted = await clientFor(stopping.url, await stopping.createKey({ mode: 'live' })).post({ model: 'gpt-x', messages: userMessage() });
   const id = accepted.body.id as string;
   await until(() => upstream.calls.length === 1, 'the call to reach the upstream');
   const workerId = (await attemptRows(stopping.db, id))[0]!.worker_id!;
-  // The peer presumes a worker dead after 1 s without a beat, sooner than the stopping one's
-  // own setting: a heartbeat that ended with the stop would be found stale in the middle of the
-  // grace, while the call is still under way.
+  // The peer presumes a worker dead after 1.5 s without a beat (the stopping one beats every
+  // 0.8 s), sooner than the stopping one's own setting: a heartbeat that ended with the stop
+  // would be found stale in the middle of the grace, while the call is still under way.
   const peer = await startTestGateway(t, {
     role: 'worker',
     databaseUrl: stopping.databaseUrl,
-    env: { UPSTREAM_BASE_URL: upstream.baseUrl, WORKER_DEAD_AFTER_MS: '1000' },
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, WORKER_DEAD_AFTER_MS: '1500' },
   });
 
+  // Past the peer's 1.5 s and its next sweep, well within the stopping worker's grace.
   const stopped = stopping.stop();
-  await sleep(1_600);
-  t.ok(await requestRow(stopping.db, id).then((row) => row?.status === 'processing'), 'the call is still under way 1.6 s into the stop');
+  await sleep(2_200);
+  t.ok(await requestRow(stopping.db, id).then((row) => row?.status === 'processing'), 'the call is still under way 2.2 s into the stop');
   upstream.release();
   await stopped;
 
