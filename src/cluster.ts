@@ -34,7 +34,10 @@ export interface ClusterOptions {
   databaseUrl: string;
   /** Settings the API processes need that this process may have made up (the embedded database). */
   childEnv: Record<string, string>;
-  /** Starts the worker role in the primary (for --role all); its HTTP (health, metrics) is the API processes'. */
+  /**
+   * Starts the worker role in the primary (for --role all); its health is the API processes',
+   * its metrics are in every scrape (through an API process, or the primary's METRICS_PORT).
+   */
   startWorker?: (() => Promise<Part & { metrics: Metrics }>) | undefined;
   /** Serves these metrics on METRICS_PORT (called only when it is set). */
   serveMetrics: (metrics: Metrics) => Promise<Part & { port: number }>;
@@ -75,7 +78,7 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
     restartDelay.reset();
   });
 
-  // The worker role, in this process; its HTTP (health, metrics) is the API processes'.
+  // The worker role, in this process; its health is the API processes', its metrics in every scrape.
   const worker = await options.startWorker?.();
   // The primary's own registry (the worker's, for --role all): its process, and its scrapes.
   const metrics = worker?.metrics ?? new Metrics();

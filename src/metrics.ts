@@ -218,7 +218,7 @@ export class Metrics {
     return this.#render();
   }
 
-  /** For an API process of a cluster (see cluster.ts): its scrape answers for every process. */
+  /** For the processes of a cluster (see cluster.ts): an API process's scrape, or the primary's on METRICS_PORT, answers for every process. */
   renderWith(render: () => Promise<string>): void {
     this.#render = render;
   }

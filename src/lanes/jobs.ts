@@ -12,8 +12,8 @@ export const DispatchLanePayload = v.object({
 export type DispatchLanePayload = v.InferOutput<typeof DispatchLanePayload>;
 
 /**
- * A job naming one request, queued by gateways whose schema predates lanes (sql/000008.sql);
- * nothing queues it now. It wakes the request's lane.
+ * A job naming one request, queued only by gateways whose schema predates lanes
+ * (sql/000008.sql). It wakes the request's lane.
  */
 export const PROCESS_REQUEST = 'process_request';
 
