@@ -218,7 +218,10 @@ export class Metrics {
     return this.#render();
   }
 
-  /** For the processes of a cluster (see cluster.ts): an API process's scrape, or the primary's on METRICS_PORT, answers for every process. */
+  /**
+   * For the processes of a cluster (see cluster.ts): an API process's scrape, or the primary's on
+   * METRICS_PORT, answers for every process.
+   */
   renderWith(render: () => Promise<string>): void {
     this.#render = render;
   }
