@@ -233,9 +233,10 @@ export class Metrics {
 
 /**
  * A database read behind a gauge: run at most once per `ttlMs`, its answer shared by every
- * scrape meanwhile, and never twice at once (scrapes that come during a read wait for it). A
- * scrape costs the database nothing more however often, and by however many, /metrics is read.
- * A failed read is not kept: the next scrape tries again.
+ * scrape meanwhile, and never twice at once (scrapes that come during a read wait for it). So
+ * however often, and by however many, /metrics is read, a process reads each gauge at most once
+ * per `ttlMs` (in a cluster, each process does: the figures are the same, and the scrape keeps
+ * the highest). A failed read is not kept: the next scrape tries again.
  */
 function sharedRead<T>(read: () => Promise<T>, ttlMs: number): () => Promise<T> {
   let kept: { value: T; until: number } | undefined;
