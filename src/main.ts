@@ -229,11 +229,23 @@ function listenForMetrics(config: Config, metrics: Metrics, logger: Logger): Pro
 /** `gateway serve`: the role given, as a cluster of API processes when API_PROCESSES > 1. */
 export async function serve(config: Config, role: Role, databaseUrl: string): Promise<void> {
   const logger = createLogger(config);
-  const running =
-    config.apiProcesses > 1 && role !== 'worker'
-      ? await startApiCluster({ config, logger, role, databaseUrl, childEnv: {} })
-      : await startGateway({ config, logger, role, databaseUrl });
+  const running = await startRole({ config, logger, role, databaseUrl, childEnv: {} });
   stopOnSignals(() => running.stop(), logger);
+}
+
+/** The role given, as a cluster of API processes when API_PROCESSES > 1 (a worker alone never is one). */
+function startRole(options: {
+  config: Config;
+  logger: Logger;
+  role: Role;
+  databaseUrl: string;
+  /** Settings the API processes of a cluster need that this process made up. */
+  childEnv: Record<string, string>;
+}): Promise<{ stop(): Promise<void> }> {
+  const { config, logger, role, databaseUrl, childEnv } = options;
+  return config.apiProcesses > 1 && role !== 'worker'
+    ? startApiCluster({ config, logger, role, databaseUrl, childEnv })
+    : startGateway({ config, logger, role, databaseUrl });
 }
 
 /**
@@ -247,20 +259,17 @@ export async function start(baseConfig: Config): Promise<void> {
     const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
     const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger });
     await migrate(pool, logger).finally(() => pool.end());
-    const gateway =
-      config.apiProcesses > 1
-        ? await startApiCluster({
-            config,
-            logger,
-            role: 'all',
-            databaseUrl: database.url,
-            // The key generated under DATA_DIR, when none was set (a set one reaches them as it is).
-            childEnv:
-              baseConfig.secretEncryptionKeys.length === 0 && config.secretEncryptionKeys[0]
-                ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKeys[0].toString('base64') }
-                : {},
-          })
-        : await startGateway({ config, logger, role: 'all', databaseUrl: database.url });
+    const gateway = await startRole({
+      config,
+      logger,
+      role: 'all',
+      databaseUrl: database.url,
+      // The key generated under DATA_DIR, when none was set (a set one reaches them as it is).
+      childEnv:
+        baseConfig.secretEncryptionKeys.length === 0 && config.secretEncryptionKeys[0]
+          ? { SECRET_ENCRYPTION_KEY: config.secretEncryptionKeys[0].toString('base64') }
+          : {},
+    });
     logger.info('ready; create a test key with: npm run gateway -- keys create --project demo --mode test');
     stopOnSignals(async () => {
       await gateway.stop();
