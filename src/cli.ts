@@ -24,9 +24,11 @@ const USAGE = `Usage: gateway <command>
                                run the API and/or the worker (DATABASE_URL required)
   start                        migrate and serve everything; with DATABASE_URL unset, on an
                                embedded Postgres under .data/ (what \`make run\` does)
-  keys create --project <name> [--mode live|test] [--json]
+  keys create --project <name> [--mode live|test] [--deadline <duration>] [--json]
                                create a key (and its project if needed); prints its id, the
-                               key and its signing secret, once
+                               key and its signing secret, once. --deadline (15m, 2h, 90s, from
+                               1s to 30d): its requests fail if not finished that long after
+                               they are accepted (REQUEST_DEADLINE when that is shorter)
   keys list [--project <name>] [--json]
   keys revoke <key id> [--json]
   keys reencrypt [--json]      encrypt every signing secret and webhook secret again with the

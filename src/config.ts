@@ -2,6 +2,7 @@
 // result is frozen and passed down as a value. A bad setting stops the process at start-up
 // with a message naming every variable at fault.
 import * as v from 'valibot';
+import { Deadline, Duration } from './duration.ts';
 import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream } from './upstream/upstreams.ts';
 
 /**
@@ -82,6 +83,8 @@ const Environment = v.object({
   UPSTREAM_ANSWER_MEMORY_MB: integer('UPSTREAM_ANSWER_MEMORY_MB', 256, 1, 1_000_000),
   MAX_IN_FLIGHT: optionalInteger('MAX_IN_FLIGHT', 1),
   TEST_MAX_IN_FLIGHT: integer('TEST_MAX_IN_FLIGHT', 1_000, 1, 1_000_000),
+  MAX_PATTERN_MODELS: integer('MAX_PATTERN_MODELS', 1_000, 0, 1_000_000),
+  PRUNE_IDLE_QUEUES_AFTER: v.optional(Duration('PRUNE_IDLE_QUEUES_AFTER', 1_000, 30 * 86_400_000), '1h'),
 
   WEBHOOK_ALLOW_PRIVATE: v.optional(v.picklist(['true', 'false'], 'WEBHOOK_ALLOW_PRIVATE must be true or false'), 'false'),
   WEBHOOK_TIMEOUT_MS: integer('WEBHOOK_TIMEOUT_MS', 15_000, 1),
@@ -96,11 +99,13 @@ const Environment = v.object({
     '5000,300000,1800000,7200000,18000000,36000000,36000000',
   ),
   WEBHOOK_MAX_IN_FLIGHT: integer('WEBHOOK_MAX_IN_FLIGHT', 1_000, 1, 100_000),
+  WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT: integer('WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT', 10, 1, 100_000),
 
   RATE_LIMIT_RPS: optionalInteger('RATE_LIMIT_RPS', 1),
   LOOKUP_RATE_LIMIT_RPS: optionalInteger('LOOKUP_RATE_LIMIT_RPS', 1),
   MAX_UNFINISHED_PER_PROJECT: optionalInteger('MAX_UNFINISHED_PER_PROJECT', 1),
 
+  REQUEST_DEADLINE: v.optional(Deadline('REQUEST_DEADLINE'), '24h'),
   MAX_ATTEMPTS: integer('MAX_ATTEMPTS', 5, 1, 100),
   RETRY_BASE_MS: integer('RETRY_BASE_MS', 1_000, 0),
   RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0),
@@ -165,6 +170,13 @@ export interface Config {
   readonly testMaxInFlight: number;
   /** The longest test-delay-<ms> accepted: UPSTREAM_TIMEOUT_MS, at most 600000. */
   readonly testDelayMaxMs: number;
+  /**
+   * Live models that no upstream lists by name (only a pattern serves them) that may have a queue
+   * at once, across the gateway; a request for another such model is refused.
+   */
+  readonly maxPatternModels: number;
+  /** A queue that no request refers to, unused this long, is deleted with its lanes. */
+  readonly pruneIdleQueuesAfterMs: number;
 
   /** Intake limits per API key (undefined: none): submissions per second (burst twice that), and lookups. */
   readonly rateLimitRps: number | undefined;
@@ -181,8 +193,15 @@ export interface Config {
     readonly retryScheduleMs: readonly number[];
     /** Deliveries a worker process has under way at once. */
     readonly maxInFlight: number;
+    /** Deliveries a worker process has under way at once to one endpoint. */
+    readonly maxInFlightPerEndpoint: number;
   };
 
+  /**
+   * How long a request may take to finish, from its acceptance, unless its key has a shorter
+   * deadline of its own; past it, the request fails with deadline_exceeded (its call, if one runs, aborted).
+   */
+  readonly requestDeadlineMs: number;
   readonly maxAttempts: number;
   /** Full-jitter exponential backoff: attempt n waits a random time in [0, min(max, base * 2^(n-1))]. */
   readonly retryBaseMs: number;
@@ -258,6 +277,8 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     maxInFlight: e.MAX_IN_FLIGHT ?? Math.floor((e.UPSTREAM_MEMORY_MB * 1024) / MEMORY_PER_CALL_KB),
     testMaxInFlight: e.TEST_MAX_IN_FLIGHT,
     testDelayMaxMs: Math.min(e.UPSTREAM_TIMEOUT_MS, TEST_DELAY_CEILING_MS),
+    maxPatternModels: e.MAX_PATTERN_MODELS,
+    pruneIdleQueuesAfterMs: e.PRUNE_IDLE_QUEUES_AFTER,
     rateLimitRps: e.RATE_LIMIT_RPS,
     lookupRateLimitRps: e.LOOKUP_RATE_LIMIT_RPS ?? (e.RATE_LIMIT_RPS === undefined ? undefined : 10 * e.RATE_LIMIT_RPS),
     maxUnfinishedPerProject: e.MAX_UNFINISHED_PER_PROJECT,
@@ -266,7 +287,9 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
       timeoutMs: e.WEBHOOK_TIMEOUT_MS,
       retryScheduleMs: e.WEBHOOK_RETRY_SCHEDULE,
       maxInFlight: e.WEBHOOK_MAX_IN_FLIGHT,
+      maxInFlightPerEndpoint: e.WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT,
     }),
+    requestDeadlineMs: e.REQUEST_DEADLINE,
     maxAttempts: e.MAX_ATTEMPTS,
     retryBaseMs: e.RETRY_BASE_MS,
     retryMaxMs: Math.max(e.RETRY_MAX_MS, e.RETRY_BASE_MS),

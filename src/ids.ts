@@ -1,6 +1,7 @@
 // Identifiers and secrets, all written in base62 ([0-9A-Za-z], in ASCII order so that
 // fixed-width encodings sort like the numbers they encode).
 import { randomFillSync } from 'node:crypto';
+import { crc32 } from 'node:zlib';
 
 const ALPHABET = '0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz';
 // The largest multiple of 62 that fits in a byte: bytes at or above it are skipped so every
@@ -53,9 +54,39 @@ export function requestIdFloor(ms: number): string {
 
 export type KeyMode = 'live' | 'test';
 
+/** A well-formed key (CONTRACT.md section 4): whether the gateway could have issued it is mayBeIssuedApiKey's question. */
 export const API_KEY = /^svc_(live|test)_[A-Za-z0-9]{32,}$/;
 
-export const newApiKey = (mode: KeyMode) => `svc_${mode}_${randomBase62(40)}`;
+// A key ends with a checksum, as GitHub's tokens do: `svc_live_` or `svc_test_`, 40 random
+// characters, then 6 characters of base62 CRC32 of all that comes before them (the prefix too, so
+// a key whose mode was changed fails it). A key made up, mistyped or cut short is then refused
+// from its text alone, without a database read. Keys made before checksums have 40 characters
+// after the prefix, none of them a checksum, and keep working: they are read from the database
+// as before. A key of any other length was never issued.
+const KEY_PREFIX_LENGTH = 'svc_live_'.length;
+const KEY_RANDOM_LENGTH = 40;
+/** 62^6 > 2^32: six characters hold any CRC32. */
+const KEY_CHECKSUM_LENGTH = 6;
+const UNCHECKSUMMED_KEY_LENGTH = KEY_PREFIX_LENGTH + 40;
+const CHECKSUMMED_KEY_LENGTH = KEY_PREFIX_LENGTH + KEY_RANDOM_LENGTH + KEY_CHECKSUM_LENGTH;
+
+const apiKeyChecksum = (unchecked: string) => base62Fixed(crc32(unchecked), KEY_CHECKSUM_LENGTH);
+
+export function newApiKey(mode: KeyMode): string {
+  const unchecked = `svc_${mode}_${randomBase62(KEY_RANDOM_LENGTH)}`;
+  return unchecked + apiKeyChecksum(unchecked);
+}
+
+/**
+ * Whether a well-formed key (API_KEY) may be one the gateway issued, judged from its text: one
+ * of today's length whose checksum matches, or one of the length keys had before checksums.
+ */
+export function mayBeIssuedApiKey(key: string): boolean {
+  if (key.length === UNCHECKSUMMED_KEY_LENGTH) return true;
+  if (key.length !== CHECKSUMMED_KEY_LENGTH) return false;
+  const end = key.length - KEY_CHECKSUM_LENGTH;
+  return apiKeyChecksum(key.slice(0, end)) === key.slice(end);
+}
 export const newSigningSecret = () => `svc_sig_${randomBase62(40)}`;
 export const newKeyId = () => `key_${randomBase62(20)}`;
 

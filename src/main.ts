@@ -18,12 +18,13 @@ import { openDatabase, withLocalSecrets } from './local.ts';
 import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
+import { KeyReads } from './keys/reads.ts';
 import { signingSecretNotDecrypted } from './keys/service.ts';
 import { InsertBatcher } from './requests/insert-batcher.ts';
 import { countUnfinishedByStatus } from './requests/inspection.ts';
 import { createRequestReads } from './requests/reads.ts';
 import { FINISHED_CHANNEL, Waiters } from './requests/waiters.ts';
-import { LaneRouter } from './lanes/routing.ts';
+import { QueueRouter } from './lanes/routing.ts';
 import { intakeLimitsFor } from './requests/intake.ts';
 import { stopOnSignals } from './signals.ts';
 import { createAttempts } from './worker/attempts.ts';
@@ -131,7 +132,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       metrics.watchWaiters(waiters);
       metrics.watchQueue(() => countUnfinishedByStatus(db));
       metrics.watchWebhooks(() => oldestUnfinishedMessageAge(db));
-      const lanes = new LaneRouter(db, config);
+      const queues = new QueueRouter(db, config);
       const intake = intakeLimitsFor(db, config, {
         logger,
         onRefused: (mode, limit) => metrics.intakeRefused.inc({ mode, limit }),
@@ -148,11 +149,12 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         reads: createRequestReads(db),
         waiters,
         keys,
+        keyReads: new KeyReads({ onRefused: () => metrics.keyReadsRefused.inc() }),
         metrics,
         logger,
-        lanes,
+        queues,
         intake,
-        ...(dispatcher ? { onStored: (laneId: string) => dispatcher.poke(laneId) } : {}),
+        ...(dispatcher ? { onStored: (queueId: string) => dispatcher.poke(queueId) } : {}),
       });
       shutdown.server = await listen(app.callback(), config.port, config.host);
     }
@@ -209,6 +211,7 @@ function buildWorkerSide(parts: {
     capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
     upstreamTimeoutMs: config.upstreamTimeoutMs,
     graceMs: config.shutdownGraceMs,
+    metrics,
     logger,
   });
   metrics.watchDispatcher(dispatcher);

@@ -2,6 +2,7 @@
 // statuses, modes, outcomes and error codes: never a key, id, project or message.
 import client from 'prom-client';
 import type pg from 'pg';
+import { sharedRead } from './shared-read.ts';
 
 const PREFIX = 'gateway_';
 
@@ -63,9 +64,23 @@ export class Metrics {
     registers: [this.registry],
   });
 
+  readonly laneHealthChanges = new client.Counter({
+    name: `${PREFIX}lane_health_changes_total`,
+    help: 'Lanes that changed health, as recorded by this process, by upstream and the health reached (open, probing, healthy): an open lane\'s provider is failing.',
+    labelNames: ['upstream', 'health'] as const,
+    registers: [this.registry],
+  });
+
   readonly cancelled = new client.Counter({
     name: `${PREFIX}requests_cancelled_total`,
     help: 'Requests cancelled by their clients, by mode and the status they had (queued, retrying, processing).',
+    labelNames: ['mode', 'from'] as const,
+    registers: [this.registry],
+  });
+
+  readonly expired = new client.Counter({
+    name: `${PREFIX}requests_expired_total`,
+    help: 'Requests failed with deadline_exceeded, their deadline passed, by mode and the status they had (queued, retrying, processing).',
     labelNames: ['mode', 'from'] as const,
     registers: [this.registry],
   });
@@ -84,9 +99,22 @@ export class Metrics {
     registers: [this.registry],
   });
 
+  readonly webhookDeferrals = new client.Counter({
+    name: `${PREFIX}webhook_deferrals_total`,
+    help: 'Webhook tries not started when due, by reason: endpoint_busy (WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT), worker_busy (WEBHOOK_MAX_IN_FLIGHT), endpoint_backing_off (it timed out). They wait for their endpoint\'s wake; none costs a retry.',
+    labelNames: ['reason'] as const,
+    registers: [this.registry],
+  });
+
   readonly unknownKeys = new client.Counter({
     name: `${PREFIX}unknown_keys_total`,
-    help: 'Requests refused because their API key, well formed, is not known or is revoked (a guess, a typo, a flood).',
+    help: 'Requests refused because their API key, well formed, is not known or is revoked, or fails its checksum (a guess, a typo, a flood).',
+    registers: [this.registry],
+  });
+
+  readonly keyReadsRefused = new client.Counter({
+    name: `${PREFIX}key_reads_refused_total`,
+    help: 'Requests refused with 503 because this API process already had as many reads of keys not in its cache under way and waiting as it allows (keys/reads.ts): a flood of unknown keys.',
     registers: [this.registry],
   });
 
@@ -229,28 +257,4 @@ export class Metrics {
   get contentType(): string {
     return this.registry.contentType;
   }
-}
-
-/**
- * A database read behind a gauge: run at most once per `ttlMs`, its answer shared by every
- * scrape meanwhile, and never twice at once (scrapes that come during a read wait for it). So
- * however often, and by however many, /metrics is read, a process reads each gauge at most once
- * per `ttlMs` (in a cluster, each process does: the figures are the same, and the scrape keeps
- * the highest). A failed read is not kept: the next scrape tries again.
- */
-function sharedRead<T>(read: () => Promise<T>, ttlMs: number): () => Promise<T> {
-  let kept: { value: T; until: number } | undefined;
-  let reading: Promise<T> | undefined;
-  return () => {
-    if (kept && performance.now() < kept.until) return Promise.resolve(kept.value);
-    reading ??= read()
-      .then((value) => {
-        kept = { value, until: performance.now() + ttlMs };
-        return value;
-      })
-      .finally(() => {
-        reading = undefined;
-      });
-    return reading;
-  };
 }

@@ -9,10 +9,11 @@ import { isTerminal, waitForRow } from './helpers/rows.ts';
 t.test('requests show, requests list and stats', async (t) => {
   const gateway = await startTestGateway(t, { env: { MAX_ATTEMPTS: '3' } });
   const alpha = clientFor(gateway.url, await gateway.createKey({ project: 'alpha' }));
-  const beta = clientFor(gateway.url, await gateway.createKey({ project: 'beta', mode: 'live' }));
+  const beta = clientFor(gateway.url, await gateway.createKey({ project: 'beta', mode: 'live', deadlineMs: 1_500 }));
   const flaky = (await alpha.post({ model: 'test-fail-1', messages: userMessage(), idempotency_key: 'flaky-1' })).body.id;
   const broken = (await alpha.post({ model: 'test-error-400', messages: userMessage() })).body.id;
-  const live = (await beta.post({ model: 'gpt-x', messages: userMessage() })).body.id; // fails: no upstream here
+  // No upstream answers here: retried uncharged, it fails when its key's deadline passes.
+  const live = (await beta.post({ model: 'gpt-x', messages: userMessage() })).body.id;
   for (const id of [flaky, broken, live]) await waitForRow(gateway.db, id, isTerminal);
 
   const env = { DATABASE_URL: gateway.databaseUrl };
@@ -76,10 +77,15 @@ t.test('upstreams and usage', async (t) => {
 
   const upstreams = JSON.parse(await run('upstreams', '--json'));
   t.same(upstreams.upstreams, [
-    { name: 'default', base_url: 'http://127.0.0.1:9/v1', models: ['*'], max_concurrent: null, requests_per_minute: null, tokens_per_minute: null },
+    { name: 'default', base_url: 'http://127.0.0.1:9/v1', models: ['*'], renames: {}, max_concurrent: null, requests_per_minute: null, tokens_per_minute: null },
   ], 'the upstreams as this process reads them');
-  t.match(upstreams.lanes, [{ mode: 'test', upstream: 'simulator', model: '*', waiting: 0, running: 0, paused_until: null }], 'and each lane');
-  t.match(await run('upstreams'), /^Upstreams \(first match by model wins\)\nname\s+base_url/);
+  t.match(
+    upstreams.lanes,
+    [{ mode: 'test', upstream: 'simulator', model: '*', waiting: 0, running: 0, paused_until: null, health: 'healthy', deployment: 1 }],
+    'and each lane, with its health',
+  );
+  t.match(await run('upstreams'), /^Upstreams \(a model's deployments, preferred in this order[^\n]*\nname\s+base_url/);
+  t.match(await run('upstreams'), /\nLanes\nid\s+mode\s+model\s+deployment\s+upstream\s+health/);
 
   const usage = JSON.parse(await run('usage', '--json'));
   const today = new Date().toISOString().slice(0, 10);
@@ -94,4 +100,27 @@ t.test('upstreams and usage', async (t) => {
   const badDay = await runCli(['usage', '--since', '2026-02-31'], env);
   t.equal(badDay.code, 1);
   t.match(badDay.stderr, /--since must be a day/);
+});
+
+t.test('tables and requests show escape what a terminal would act on in what clients chose; --json keeps it raw', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(gateway.url, await gateway.createKey({ project: 'alpha' }));
+  // Clears the screen, turns red, forges a row, reverses what follows, and more.
+  const model = 'evil\x1b[2J\x1b[31m\r\nreq_forged  alpha  test  completed\u202eesrever\u2066\x9b\x7f\tend';
+  const escaped = 'evil\\x1b[2J\\x1b[31m\\x0d\\x0areq_forged  alpha  test  completed\\u202eesrever\\u2066\\x9b\\x7f\\x09end';
+  const id = (await client.post({ model, messages: userMessage() })).body.id;
+  const env = { DATABASE_URL: gateway.databaseUrl };
+  const run = (...args: string[]) => cliOutput(args, env);
+  // Anything but printable text and the newlines between lines.
+  const unprintable = /[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]/;
+
+  const list = await run('requests', 'list');
+  t.notMatch(list, unprintable, 'requests list: nothing a terminal acts on');
+  t.equal(list.trimEnd().split('\n').length, 3, 'a header, its rule and one row: no forged row');
+  t.ok(list.includes(escaped), 'the model shown with its escapes');
+  const show = await run('requests', 'show', id);
+  t.notMatch(show, unprintable, 'requests show alike');
+  t.ok(show.includes(`model            ${escaped}\n`), 'its model field');
+  t.equal(JSON.parse(await run('requests', 'list', '--json'))[0].model, model, '--json: the model as it is');
+  t.equal(JSON.parse(await run('requests', 'show', id, '--json')).request.model, model);
 });

@@ -3,10 +3,19 @@ import { createHash, randomBytes } from 'node:crypto';
 import pg from 'pg';
 import t from 'tap';
 import { listMigrations } from '../src/db/migrate.ts';
+import { mayBeIssuedApiKey } from '../src/ids.ts';
 import { runCli } from './helpers/cli.ts';
 import { adminQuery, createTestDatabase, urlForDatabase } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage } from './helpers/http.ts';
+
+async function adminRows(url: string, query: string): Promise<Record<string, unknown>[]> {
+  let rows: Record<string, unknown>[] = [];
+  await adminQuery(url, async (client) => {
+    rows = (await client.query(query)).rows;
+  });
+  return rows;
+}
 
 /** An empty database (not cloned from the migrated template). */
 async function emptyDatabase(t: Parameters<typeof createTestDatabase>[0]) {
@@ -50,9 +59,11 @@ t.test('migrate builds the schema, twice at once, and again with nothing left to
     [
       'gateway.api_keys',
       'gateway.intake_counters',
+      'gateway.lane_fair_shares',
       'gateway.lanes',
       'gateway.migrations',
       'gateway.projects',
+      'gateway.queues',
       'gateway.request_attempts',
       'gateway.requests',
       'gateway.retention_cursors',
@@ -79,7 +90,8 @@ t.test('keys create, list and revoke', async (t) => {
   t.match(key.id, /^key_[A-Za-z0-9]{20,40}$/, 'the id, to revoke it by');
   t.equal(key.project, 'acme');
   t.equal(key.mode, 'test');
-  t.match(key.api_key, /^svc_test_[A-Za-z0-9]{32,}$/);
+  t.match(key.api_key, /^svc_test_[A-Za-z0-9]{46}$/, '40 random characters and a checksum of 6');
+  t.ok(mayBeIssuedApiKey(key.api_key), 'the key passes its own checksum');
   t.match(key.signing_secret, /^svc_sig_[A-Za-z0-9]{32,}$/);
 
   const human = await runCli(['keys', 'create', '--project', 'acme'], env);
@@ -119,6 +131,41 @@ t.test('keys create, list and revoke', async (t) => {
   const unknown = await runCli(['keys', 'revoke', 'key_doesnotexist000000'], env);
   t.equal(unknown.code, 1);
   t.match(unknown.stderr, /No key with id/);
+});
+
+t.test('keys create --deadline gives the key a deadline of its own, which keys list shows; a bad one is a usage error', async (t) => {
+  const url = await createTestDatabase(t);
+  const env = { DATABASE_URL: url, SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64') };
+
+  const created = await runCli(['keys', 'create', '--project', 'acme', '--deadline', '15m'], env);
+  t.equal(created.code, 0, created.stderr);
+  t.match(created.stdout, /Deadline: +15m/);
+  const json = await runCli(['keys', 'create', '--project', 'acme', '--deadline', '90000', '--json'], env);
+  t.equal(json.code, 0, json.stderr);
+  t.same(Object.keys(JSON.parse(json.stdout)), ['id', 'project', 'mode', 'api_key', 'signing_secret'], 'the --json shape is unchanged');
+  await runCli(['keys', 'create', '--project', 'acme'], env);
+
+  const listed = JSON.parse((await runCli(['keys', 'list', '--project', 'acme', '--json'], env)).stdout);
+  t.same(listed.map((key: { deadline: string | null }) => key.deadline), ['15m', '90s', null], 'null: REQUEST_DEADLINE');
+  const stored = await adminRows(url, `select (extract(epoch from request_deadline) * 1000)::float8 as ms from gateway.api_keys order by created_at`);
+  t.same(stored.map((row) => row.ms), [900_000, 90_000, null]);
+  const table = (await runCli(['keys', 'list'], env)).stdout;
+  t.match(table, /^id\s+project\s+mode\s+key\s+status\s+deadline/m);
+  t.match(table, /active\s+15m\s/);
+  t.match(table, /active\s+REQUEST_DEADLINE\s/);
+
+  const refused = {
+    soon: '--deadline must be a duration such as 24h, 15m, 90s or 500ms (or a number of milliseconds).',
+    '500ms': '--deadline must be at least 1s.',
+    '31d': '--deadline must be at most 30d.',
+  };
+  for (const [value, message] of Object.entries(refused)) {
+    const bad = await runCli(['keys', 'create', '--project', 'acme', '--deadline', value], env);
+    t.equal(bad.code, 2, `${value}: a usage error`);
+    t.ok(bad.stderr.startsWith(`${message}\n`), `${value}: ${bad.stderr.split('\n')[0]}`);
+    t.match(bad.stderr, /Usage: gateway/);
+  }
+  t.same((await adminRows(url, 'select count(*)::int as keys from gateway.api_keys'))[0], { keys: 3 }, 'a refused key is not created');
 });
 
 t.test('mistakes get a message and a non-zero exit, not a stack trace', async (t) => {

@@ -33,3 +33,30 @@ t.test('one fault is the message alone', async (t) => {
   });
   t.throws(() => loadConfig({ PORT: 'x' }), { message: 'Invalid settings:\n  PORT must be a whole number' });
 });
+
+t.test('REQUEST_DEADLINE is a duration from 1s to 30d, 24h by default', async (t) => {
+  t.equal(loadConfig({}).requestDeadlineMs, 86_400_000, '24 hours unless set');
+  const deadlines = { '24h': 86_400_000, '15m': 900_000, '90s': 90_000, '1500ms': 1_500, '2000': 2_000, ' 2d ': 172_800_000, '30d': 2_592_000_000 };
+  for (const [text, ms] of Object.entries(deadlines)) t.equal(loadConfig({ REQUEST_DEADLINE: text }).requestDeadlineMs, ms, text);
+
+  const refused = {
+    '': 'REQUEST_DEADLINE must be a duration such as 24h, 15m, 90s or 500ms (or a number of milliseconds)',
+    '15 minutes': 'REQUEST_DEADLINE must be a duration such as 24h, 15m, 90s or 500ms (or a number of milliseconds)',
+    '1.5h': 'REQUEST_DEADLINE must be a duration such as 24h, 15m, 90s or 500ms (or a number of milliseconds)',
+    '-5m': 'REQUEST_DEADLINE must be a duration such as 24h, 15m, 90s or 500ms (or a number of milliseconds)',
+    '999ms': 'REQUEST_DEADLINE must be at least 1s',
+    '0': 'REQUEST_DEADLINE must be at least 1s',
+    '31d': 'REQUEST_DEADLINE must be at most 30d',
+    '99999999999999999999h': 'REQUEST_DEADLINE must be a duration such as 24h, 15m, 90s or 500ms (or a number of milliseconds)',
+  };
+  for (const [text, message] of Object.entries(refused)) {
+    t.throws(() => loadConfig({ REQUEST_DEADLINE: text }), { name: 'ConfigError', message: `Invalid settings:\n  ${message}` }, JSON.stringify(text));
+  }
+});
+
+t.test('MAX_PATTERN_MODELS is a whole number, 1000 by default; PRUNE_IDLE_QUEUES_AFTER a duration, 1h by default', async (t) => {
+  t.match(loadConfig({}), { maxPatternModels: 1_000, pruneIdleQueuesAfterMs: 3_600_000 });
+  t.match(loadConfig({ MAX_PATTERN_MODELS: '0', PRUNE_IDLE_QUEUES_AFTER: '10m' }), { maxPatternModels: 0, pruneIdleQueuesAfterMs: 600_000 });
+  t.throws(() => loadConfig({ MAX_PATTERN_MODELS: 'many' }), { message: 'Invalid settings:\n  MAX_PATTERN_MODELS must be a whole number' });
+  t.throws(() => loadConfig({ PRUNE_IDLE_QUEUES_AFTER: '500ms' }), { message: 'Invalid settings:\n  PRUNE_IDLE_QUEUES_AFTER must be at least 1s' });
+});

@@ -1,9 +1,19 @@
 // The HTTP surface around the two endpoints: health checks, unknown routes and methods, and
 // a 500 that reveals nothing.
 import t from 'tap';
+import http from 'node:http';
+import { Writable } from 'node:stream';
+import { setTimeout as sleep } from 'node:timers/promises';
+import pg from 'pg';
 import { listMigrations } from '../src/db/migrate.ts';
+import { createPool } from '../src/db/pool.ts';
+import { createOpsApp } from '../src/http/app.ts';
+import { createLogger } from '../src/logger.ts';
+import { Metrics } from '../src/metrics.ts';
 import { startTestGateway } from './helpers/gateway.ts';
-import { clientFor, send, userMessage } from './helpers/http.ts';
+import { clientFor, send, userMessage, type Answer } from './helpers/http.ts';
+import { listenOnLoopback } from './helpers/ports.ts';
+import { until } from './helpers/wait.ts';
 
 t.test('healthz and readyz need no key; readyz says ready or not, and never which schema', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
@@ -14,7 +24,9 @@ t.test('healthz and readyz need no key; readyz says ready or not, and never whic
   t.same([ready.status, ready.body], [200, { status: 'ready' }], 'no schema version');
 
   await gateway.pool.query('delete from gateway.migrations where id = $1', [latest]);
-  const behind = await send(gateway.url, { path: '/readyz' });
+  // /readyz answers from a look at most a second old.
+  let behind!: Answer;
+  await until(async () => (behind = await send(gateway.url, { path: '/readyz' })).status !== 200, 'the next look', 3_000);
   t.equal(behind.status, 503);
   t.equal(behind.body.error.code, 'service_unavailable');
   t.ok(behind.headers.get('retry-after'));
@@ -23,6 +35,51 @@ t.test('healthz and readyz need no key; readyz says ready or not, and never whic
     gateway.logs.some((line) => line.includes('"applied":' + (latest - 1)) && line.includes(`"expected":${latest}`)),
     'the log says',
   );
+});
+
+t.test('200 concurrent /readyz calls share one look at the database, and the next second brings a new one', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  // The probes of an ops app of the test's own, on a pool that counts the connections it takes:
+  // a look takes two (the migrations table exists, and its newest row).
+  const pool = createPool(gateway.databaseUrl, { max: 10, applicationName: 'readyz-test', logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  let acquired = 0;
+  pool.on('acquire', () => acquired++);
+  const app = createOpsApp({ config: gateway.config, pool, metrics: new Metrics(), logger: createLogger({ logLevel: 'silent' }) });
+  const url = `http://127.0.0.1:${await listenOnLoopback(t, http.createServer(app.callback()))}`;
+
+  const answers = await Promise.all(Array.from({ length: 200 }, () => send(url, { path: '/readyz' })));
+  t.same(new Set(answers.map((answer) => answer.status)), new Set([200]));
+  t.ok(acquired <= 4, `at most 2 looks for 200 calls (${acquired / 2})`);
+  const looked = acquired;
+  await sleep(1_100);
+  t.equal((await send(url, { path: '/readyz' })).status, 200);
+  t.equal(acquired, looked + 2, 'a second later, one look more');
+});
+
+t.test('a look that finds no pooled connection free in time (overload) makes /readyz a 503, said once per look in the log', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  // The probes of an ops app of the test's own, on a pool of one connection that the test holds.
+  const pool = new pg.Pool({ connectionString: gateway.databaseUrl, max: 1, connectionTimeoutMillis: 200 });
+  t.teardown(() => pool.end());
+  const held = await pool.connect();
+  const lines: string[] = [];
+  const sink = new Writable({
+    write(chunk: Buffer, _encoding, done) {
+      lines.push(...chunk.toString('utf8').split('\n').filter(Boolean));
+      done();
+    },
+  });
+  const app = createOpsApp({ config: gateway.config, pool, metrics: new Metrics(), logger: createLogger({ logLevel: 'info' }, sink) });
+  const url = `http://127.0.0.1:${await listenOnLoopback(t, http.createServer(app.callback()))}`;
+
+  const answers = await Promise.all(Array.from({ length: 20 }, () => send(url, { path: '/readyz' })));
+  t.same(new Set(answers.map((answer) => answer.status)), new Set([503]), 'every call a 503, none a 500');
+  t.ok(answers.every((answer) => answer.body.error.code === 'service_unavailable' && answer.headers.get('retry-after')), 'service_unavailable, with retry-after');
+  t.equal(lines.filter((line) => line.includes('not ready: the database could not be read')).length, 1, 'the log says why once, for the look they shared');
+  t.same(lines.filter((line) => line.includes('"level":"error"')), [], 'and logs no error');
+  held.release();
+  await until(async () => (await send(url, { path: '/readyz' })).status === 200, 'ready once a connection is free', 3_000);
 });
 
 t.test('unknown routes are 404 route_not_found; wrong methods 405 method_not_allowed', async (t) => {

@@ -6,7 +6,7 @@ import { connect } from 'node:net';
 import t from 'tap';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage } from './helpers/http.ts';
-import { attemptRows, dispatchJobs, isTerminal, laneOf, requestRow, waitForRow } from './helpers/rows.ts';
+import { attemptRows, dispatchJobs, isTerminal, queueOf, requestRow, waitForRow } from './helpers/rows.ts';
 import { spawnServe } from './helpers/serve.ts';
 import { until } from './helpers/wait.ts';
 
@@ -22,8 +22,8 @@ t.test('a stopping worker lets short attempts finish and hands the long ones bac
   t.match(await requestRow(gateway.db, short), { status: 'completed', attempts: 1 }, 'finished within the grace period');
   t.match(await requestRow(gateway.db, long), { status: 'retrying', attempts: 1, last_error_code: 'worker_lost' });
   t.match(await attemptRows(gateway.db, long), [{ outcome: 'failed', error_code: 'worker_lost' }]);
-  const lane = await laneOf(gateway.db, long);
-  t.ok((await dispatchJobs(gateway.db)).some((job) => job.lane_id === lane), 'its lane is to be dispatched again');
+  const queue = await queueOf(gateway.db, long);
+  t.ok((await dispatchJobs(gateway.db)).some((job) => job.queue_id === queue), 'its queue is to be dispatched again');
   const { rows } = await gateway.pool.query('select count(*)::int as count from gateway.worker_pools');
   t.equal(rows[0].count, 0, 'the pool removed its heartbeat');
   const locked = await gateway.pool.query('select count(*)::int as count from graphile_worker.jobs where locked_by is not null');

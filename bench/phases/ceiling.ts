@@ -102,7 +102,7 @@ function oneRequest(projectId: string, keyId: string, body: string, withJob = tr
   ${insert}
   returning id
 )
-select graphile_worker.add_job('dispatch_lane', json_build_object('lane_id', 0))
+select graphile_worker.add_job('dispatch_queue', json_build_object('queue_id', 0))
 from request;`;
 }
 
@@ -116,7 +116,7 @@ function groupedRequests(projectId: string, keyId: string, body: string, count: 
   returning id
 )
 select graphile_worker.add_jobs(array_agg(json_populate_record(null::graphile_worker.job_spec,
-  json_build_object('identifier', 'dispatch_lane', 'payload', json_build_object('lane_id', 0)))))
+  json_build_object('identifier', 'dispatch_queue', 'payload', json_build_object('queue_id', 0)))))
 from request;`;
 }
 

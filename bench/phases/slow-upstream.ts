@@ -5,7 +5,7 @@
 // has completed:
 //
 // 1. A backlog, for the calls one worker keeps in flight and what they cost it: the requests
-//    wait in a paused lane (gateway.lanes.paused_until, as an upstream's 429 would leave it)
+//    wait for a paused lane (gateway.lanes.paused_until, as an upstream's 429 would leave it)
 //    until all are stored, then the lane is let go and the worker starts as many at once as its
 //    capacity allows; these calls take BACKLOG_DELAY_MS. Its gauge of calls in flight (/metrics) and its resident memory are read
 //    every SAMPLE_MS: the extra memory per 10,000 calls in flight is the highest reading near the
@@ -103,18 +103,22 @@ async function measure(ctx: PhaseContext, upstream: SlowUpstream): Promise<Phase
 
   // 1. The backlog: stored while its lane is paused, then let go at once.
   await ctx.query((client) =>
-    client.query(`insert into gateway.lanes (mode, upstream, model, paused_until) values ('live', 'default', $1, now() + interval '1 hour')`, [
-      BACKLOG_MODEL,
-    ]),
+    client.query(
+      `with queue as (insert into gateway.queues (mode, model) values ('live', $1) returning id)
+       insert into gateway.lanes (mode, upstream, model, queue_id, paused_until)
+       select 'live', 'default', $1, id, now() + interval '1 hour' from queue`,
+      [BACKLOG_MODEL],
+    ),
   );
   const backlogLoad = await submit(BACKLOG_MODEL);
   const releasedAt = performance.now();
   await ctx.query(async (client) => {
     const { rows } = await client.query<{ id: string }>(
-      `update gateway.lanes set paused_until = null, wake_at = null where model = $1 returning id`,
+      `with lane as (update gateway.lanes set paused_until = null where model = $1 returning queue_id)
+       update gateway.queues set wake_at = null from lane where queues.id = lane.queue_id returning queues.id`,
       [BACKLOG_MODEL],
     );
-    await client.query(`select graphile_worker.add_job('dispatch_lane', json_build_object('lane_id', $1::bigint))`, [rows[0]!.id]);
+    await client.query(`select graphile_worker.add_job('dispatch_queue', json_build_object('queue_id', $1::bigint))`, [rows[0]!.id]);
   });
   const backlogSettled = await waitUntilFinished(ctx, SETTLE_TIMEOUT_MS);
   const drainedMs = performance.now() - releasedAt;

@@ -1,5 +1,6 @@
 // gateway keys create | list | revoke | reencrypt
 import type { Db } from '../db/pool.ts';
+import { Deadline, formatDuration } from '../duration.ts';
 import type { KeyMode } from '../ids.ts';
 import { reencryptSecrets } from '../keys/reencryption.ts';
 import { createKey, listKeys, revokeKey } from '../keys/service.ts';
@@ -11,7 +12,7 @@ import { parse, UsageError } from './args.ts';
 async function createKeyCommand(
   db: Db,
   encryptionKey: Buffer | undefined,
-  options: { project: string; mode: KeyMode; json: boolean },
+  options: { project: string; mode: KeyMode; deadlineMs: number | undefined; json: boolean },
 ): Promise<string> {
   const created = await createKey(db, encryptionKey, options);
   if (options.json) {
@@ -28,6 +29,7 @@ async function createKeyCommand(
     '',
     `  API key:         ${created.api_key}`,
     `  Signing secret:  ${created.signing_secret}`,
+    ...(options.deadlineMs === undefined ? [] : [`  Deadline:        ${formatDuration(options.deadlineMs)} (its requests fail if not finished by then)`]),
     '',
     'Both are shown this once and cannot be recovered: store them now.',
   ].join('\n');
@@ -43,10 +45,15 @@ async function listKeysCommand(db: Db, options: { project?: string; json: boolea
     created_at: key.created_at,
     revoked_at: key.revoked_at,
     status: key.revoked_at ? 'revoked' : 'active',
+    // null: the server's REQUEST_DEADLINE.
+    deadline: key.request_deadline_ms === null ? null : formatDuration(key.request_deadline_ms),
   }));
   if (options.json) return JSON.stringify(rows);
   if (rows.length === 0) return 'No keys.';
-  return table(rows, ['id', 'project', 'mode', 'key', 'status', 'created_at', 'revoked_at']);
+  return table(
+    rows.map((row) => ({ ...row, deadline: row.deadline ?? 'REQUEST_DEADLINE' })),
+    ['id', 'project', 'mode', 'key', 'status', 'deadline', 'created_at', 'revoked_at'],
+  );
 }
 
 async function revokeKeyCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {
@@ -80,6 +87,13 @@ async function reencryptKeysCommand(db: Db, encryptionKeys: readonly Buffer[], o
   return summary;
 }
 
+/** --deadline's milliseconds; a value that is not a deadline is a UsageError saying why. */
+function parseDeadline(text: string): number {
+  const parsed = v.safeParse(Deadline('--deadline'), text);
+  if (!parsed.success) throw new UsageError(`${parsed.issues[0].message}.`);
+  return parsed.output;
+}
+
 /** gateway keys create | list | revoke | reencrypt, from its arguments. */
 export function parseKeysCommand(args: string[]): AdminCommand {
   const [subcommand, ...rest] = args;
@@ -88,11 +102,14 @@ export function parseKeysCommand(args: string[]): AdminCommand {
       const { values } = parse(rest, {
         project: { type: 'string' },
         mode: { type: 'string', default: 'live' },
+        deadline: { type: 'string' },
         json: { type: 'boolean', default: false },
       });
       if (values.project === undefined) throw new UsageError('keys create needs --project <name>.');
       const mode = v.parse(v.picklist(['live', 'test'], '--mode must be live or test'), values.mode);
-      return (db, { config }) => createKeyCommand(db, config.secretEncryptionKeys[0], { project: values.project!, mode, json: values.json! });
+      const deadlineMs = values.deadline === undefined ? undefined : parseDeadline(values.deadline);
+      return (db, { config }) =>
+        createKeyCommand(db, config.secretEncryptionKeys[0], { project: values.project!, mode, deadlineMs, json: values.json! });
     }
     case 'list': {
       const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });

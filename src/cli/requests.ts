@@ -3,7 +3,7 @@ import type { RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { findRequestDetail, listRequests, stats } from '../requests/inspection.ts';
-import { CommandError, table } from './output.ts';
+import { CommandError, printable, table } from './output.ts';
 import * as v from 'valibot';
 import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
@@ -31,7 +31,7 @@ async function showRequestCommand(db: Db, id: string, options: { json: boolean }
   const width = Math.max(...fields.map(([name]) => name.length));
   const lines = [`Request ${request.id}`, ''];
   for (const [name, value] of fields) {
-    lines.push(`  ${name.padEnd(width)}  ${value instanceof Date ? value.toISOString() : (value ?? '')}`);
+    lines.push(`  ${name.padEnd(width)}  ${value instanceof Date ? value.toISOString() : printable(String(value ?? ''))}`);
   }
   lines.push('', 'Attempts', '');
   lines.push(

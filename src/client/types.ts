@@ -79,7 +79,7 @@ export interface ChatCompletionAsync {
 /** What create() resolves to: tell the two apart by `object`. */
 export type ChatCompletionCreateResult = ChatCompletion | ChatCompletionAsync;
 
-/** Why the most recent failed attempt failed (CONTRACT.md section 1). */
+/** Why the most recent failed attempt failed, or why the request failed without one (CONTRACT.md sections 1 and 14). */
 export type AttemptErrorCode =
   | 'upstream_timeout'
   | 'upstream_connection_error'
@@ -89,6 +89,7 @@ export type AttemptErrorCode =
   | 'worker_lost'
   | 'upstream_bad_request'
   | 'upstream_auth_error'
+  | 'deadline_exceeded'
   | (string & {});
 
 interface RequestRecordFields {

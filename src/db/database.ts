@@ -18,7 +18,9 @@ export interface Database {
   signature_nonces: SignatureNoncesTable;
   worker_pools: WorkerPoolsTable;
   retention_cursors: RetentionCursorsTable;
+  queues: QueuesTable;
   lanes: LanesTable;
+  lane_fair_shares: LaneFairSharesTable;
   intake_counters: IntakeCountersTable;
   webhook_endpoints: WebhookEndpointsTable;
   webhook_messages: WebhookMessagesTable;
@@ -46,6 +48,8 @@ export interface ApiKeysTable {
   signing_secret_ciphertext: Buffer;
   created_at: CreatedAt;
   revoked_at: NullableTimestamp;
+  /** interval: written as text ('900000 milliseconds'); read through extract(epoch from ...), never as it is. */
+  request_deadline: ColumnType<unknown, string | null | undefined, never>;
 }
 
 export interface RequestsTable {
@@ -66,8 +70,13 @@ export interface RequestsTable {
   updated_at: Timestamp;
   next_attempt_at: NullableTimestamp;
   finished_at: NullableTimestamp;
-  /** int8 (a string); null only for requests finished before lanes existed. */
+  /** Set at acceptance; null only for requests finished before deadlines existed. */
+  deadline_at: ColumnType<Date | null, Date | null | undefined, never>;
+  /** int8 (a string): the lane of its latest attempt; null before its first (and for requests finished before lanes existed). */
   lane_id: string | null;
+  /** int8 (a string): the queue it waits in; null only for requests finished before queues existed. */
+  queue_id: string | null;
+  charged_attempts: ColumnType<number, number | undefined, number>;
   prompt_tokens_estimate: number | null;
   prompt_tokens: number | null;
   completion_tokens: number | null;
@@ -85,6 +94,8 @@ export interface RequestAttemptsTable {
   error_detail: string | null;
   duration_ms: number | null;
   worker_id: string | null;
+  upstream: string | null;
+  charged: boolean | null;
 }
 
 export interface SignatureNoncesTable {
@@ -120,9 +131,45 @@ export interface LanesTable {
   token_allowance: number | null;
   refilled_at: NullableTimestamp;
   paused_until: NullableTimestamp;
-  wake_at: NullableTimestamp;
   last_project_id: string | null;
   created_at: CreatedAt;
+  queue_id: string;
+  deployment: number | null;
+  health: ColumnType<'healthy' | 'open' | 'probing', 'healthy' | 'open' | 'probing' | undefined, 'healthy' | 'open' | 'probing'>;
+  health_since: NullableTimestamp;
+  failure_streak: ColumnType<number, number | undefined, number>;
+  last_failed_request_id: string | null;
+  window_started_at: NullableTimestamp;
+  window_calls: ColumnType<number, number | undefined, number>;
+  window_failures: ColumnType<number, number | undefined, number>;
+  probe_interval_ms: number | null;
+  probe_at: NullableTimestamp;
+  probe_request_id: string | null;
+  last_error: string | null;
+  last_error_at: NullableTimestamp;
+  /** int8, as a string. */
+  fair_share_clock: ColumnType<string, string | number | undefined, string | number>;
+}
+
+export interface LaneFairSharesTable {
+  /** int8, as a string. */
+  lane_id: string;
+  /** int8, as a string. */
+  project_id: string;
+  /** int8, as a string. */
+  next_start: ColumnType<string, string | number, string | number>;
+  started_at: Date;
+}
+
+export interface QueuesTable {
+  /** int8, which node-postgres returns as a string. */
+  id: Generated<string>;
+  mode: KeyMode;
+  model: string;
+  wake_at: NullableTimestamp;
+  created_at: CreatedAt;
+  /** When an API process last looked it up to route a request (an idle queue is pruned: sql/000016.sql). */
+  used_at: Timestamp;
 }
 
 export interface IntakeCountersTable {
@@ -148,6 +195,10 @@ export interface WebhookEndpointsTable {
   created_at: CreatedAt;
   disabled_at: NullableTimestamp;
   disabled_reason: string | null;
+  /** Set while it backs off (a try got no answer in time); null, with the next two, otherwise. */
+  backoff_ms: number | null;
+  timed_out_at: NullableTimestamp;
+  paused_until: NullableTimestamp;
 }
 
 export type WebhookMessageStatus = 'pending' | 'delivering' | 'delivered' | 'failed' | 'abandoned';

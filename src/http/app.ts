@@ -18,6 +18,7 @@ import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { errorSummary } from '../db/pool.ts';
 import type { KeyCache } from '../keys/cache.ts';
+import type { KeyReads } from '../keys/reads.ts';
 import type { RequestDeps } from '../requests/service.ts';
 import { authenticate } from './auth.ts';
 import { noBody, readBody } from './body.ts';
@@ -39,16 +40,21 @@ export interface OpsDeps extends MetricsDeps {
   pool: pg.Pool;
 }
 
-/** The API's parts (requests/service.ts has what each is for), and the key cache for auth. */
+/** The API's parts (requests/service.ts has what each is for), and the key cache and read bound for auth. */
 export interface AppDeps extends OpsDeps, RequestDeps {
   config: Config;
   keys: KeyCache;
+  keyReads: KeyReads;
 }
 
 export function createApp(deps: AppDeps): Koa<GatewayState> {
   const { app, router } = opsApp(deps);
   const signed = verifyRequestSignature(deps.config, deps.keys);
-  const authenticated = authenticate(deps.db, deps.keys, () => deps.metrics.unknownKeys.inc());
+  const authenticated = authenticate(deps.db, {
+    cache: deps.keys,
+    reads: deps.keyReads,
+    onUnknown: () => deps.metrics.unknownKeys.inc(),
+  });
 
   router.post(
     '/v1/chat/completions',

@@ -6,4 +6,6 @@ export interface Auth {
   projectId: string;
   mode: KeyMode;
   signingSecretCiphertext: Buffer;
+  /** The key's own request deadline; undefined: REQUEST_DEADLINE. */
+  requestDeadlineMs: number | undefined;
 }

@@ -24,6 +24,8 @@ export interface KeyRecord {
   mode: KeyMode;
   signing_secret_ciphertext: Buffer;
   revoked_at: Date | null;
+  /** The key's request deadline, in milliseconds; null: REQUEST_DEADLINE. */
+  request_deadline_ms: number | null;
 }
 
 export interface KeyListing {
@@ -33,7 +35,11 @@ export interface KeyListing {
   key_hint: string;
   created_at: Date;
   revoked_at: Date | null;
+  request_deadline_ms: number | null;
 }
+
+/** The key's request_deadline in milliseconds (null when it has none). */
+const deadlineMs = (column: string) => sql<number | null>`(extract(epoch from ${sql.ref(column)}) * 1000)::float8`;
 
 /** The project's id, creating the project if it does not exist yet. */
 export async function ensureProject(db: Db, name: string): Promise<string> {
@@ -48,15 +54,28 @@ export async function ensureProject(db: Db, name: string): Promise<string> {
 
 export async function insertApiKey(
   db: Db,
-  key: { id: string; project_id: string; mode: KeyMode; key_sha256: Buffer; key_hint: string; signing_secret_ciphertext: Buffer },
+  key: {
+    id: string;
+    project_id: string;
+    mode: KeyMode;
+    key_sha256: Buffer;
+    key_hint: string;
+    signing_secret_ciphertext: Buffer;
+    /** undefined: the key has no deadline of its own (REQUEST_DEADLINE). */
+    request_deadline_ms?: number | undefined;
+  },
 ): Promise<void> {
-  await db.insertInto('api_keys').values(key).execute();
+  const { request_deadline_ms: deadline, ...columns } = key;
+  await db
+    .insertInto('api_keys')
+    .values({ ...columns, request_deadline: deadline === undefined ? null : `${deadline} milliseconds` })
+    .execute();
 }
 
 export async function findKeyByHash(db: Db, keySha256: Buffer): Promise<KeyRecord | undefined> {
   return db
     .selectFrom('api_keys')
-    .select(['id', 'project_id', 'mode', 'signing_secret_ciphertext', 'revoked_at'])
+    .select(['id', 'project_id', 'mode', 'signing_secret_ciphertext', 'revoked_at', deadlineMs('request_deadline').as('request_deadline_ms')])
     .where('key_sha256', '=', keySha256)
     .executeTakeFirst();
 }
@@ -83,6 +102,7 @@ export async function listKeys(db: Db, projectName?: string): Promise<KeyListing
       'api_keys.key_hint',
       'api_keys.created_at',
       'api_keys.revoked_at',
+      deadlineMs('api_keys.request_deadline').as('request_deadline_ms'),
     ])
     .orderBy('projects.name')
     .orderBy('api_keys.created_at');
@@ -98,7 +118,7 @@ export async function revokeKey(db: Db, id: string): Promise<KeyListing | undefi
         .updateTable('api_keys')
         .set({ revoked_at: sql<Date>`coalesce(revoked_at, now())` })
         .where('id', '=', id)
-        .returning(['id', 'project_id', 'mode', 'key_hint', 'created_at', 'revoked_at']),
+        .returning(['id', 'project_id', 'mode', 'key_hint', 'created_at', 'revoked_at', deadlineMs('request_deadline').as('request_deadline_ms')]),
     )
     .selectFrom('revoked')
     .innerJoin('projects', 'projects.id', 'revoked.project_id')
@@ -109,6 +129,7 @@ export async function revokeKey(db: Db, id: string): Promise<KeyListing | undefi
       'revoked.key_hint',
       'revoked.created_at',
       'revoked.revoked_at',
+      'revoked.request_deadline_ms',
     ])
     .executeTakeFirst();
 }

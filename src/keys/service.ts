@@ -3,9 +3,10 @@
 import * as v from 'valibot';
 import type { Db } from '../db/pool.ts';
 import { authenticationError } from '../errors.ts';
-import { API_KEY, type KeyMode, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
+import { API_KEY, type KeyMode, mayBeIssuedApiKey, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
 import type { Auth } from './auth.ts';
 import type { KeyCache } from './cache.ts';
+import type { KeyReads } from './reads.ts';
 import * as repository from './repository.ts';
 import { decryptSecret, encryptSecret, hashApiKey } from './secrets.ts';
 
@@ -40,7 +41,7 @@ export class MissingEncryptionKeyError extends Error {
 export async function createKey(
   db: Db,
   encryptionKey: Buffer | undefined,
-  input: { project: string; mode: KeyMode },
+  input: { project: string; mode: KeyMode; deadlineMs?: number | undefined },
 ): Promise<CreatedKey> {
   if (!encryptionKey) throw new MissingEncryptionKeyError();
   const project = v.parse(ProjectName, input.project);
@@ -56,6 +57,7 @@ export async function createKey(
       key_sha256: hashApiKey(apiKey),
       key_hint: apiKey.slice(-4),
       signing_secret_ciphertext: encryptSecret(signingSecret, id, encryptionKey),
+      request_deadline_ms: input.deadlineMs,
     });
   });
   return { id, project, mode: input.mode, api_key: apiKey, signing_secret: signingSecret };
@@ -67,15 +69,24 @@ export const revokeKey = (db: Db, id: string) => repository.revokeKey(db, id);
 
 const BEARER = /^Bearer +(\S+) *$/i;
 
+/** What authenticate works with besides the database: each optional. */
+export interface KeyChecks {
+  /** Keys (and misses) held in memory: a key it holds costs no read, nor waits for one. */
+  cache?: KeyCache | undefined;
+  /** The bound on reads of keys the cache does not hold (beyond it: a 503). */
+  reads?: KeyReads | undefined;
+  /** Hears of each well-formed key that is not there (never issued, unknown or revoked). */
+  onUnknown?: (() => void) | undefined;
+}
+
 /**
- * The caller behind an Authorization header, or a 401 ApiError. `onUnknown` hears of each
- * well-formed key that is not there (unknown or revoked).
+ * The caller behind an Authorization header, or a 401 ApiError. A key the gateway cannot have
+ * issued (its checksum does not match: ids.ts) is refused without a read.
  */
 export async function authenticate(
   db: Db,
   authorization: string | undefined,
-  cache?: KeyCache,
-  onUnknown?: () => void,
+  { cache, reads, onUnknown }: KeyChecks = {},
 ): Promise<Auth> {
   if (authorization === undefined || authorization.trim() === '') {
     throw authenticationError(
@@ -85,10 +96,14 @@ export async function authenticate(
   }
   const token = BEARER.exec(authorization)?.[1];
   if (token === undefined || !API_KEY.test(token)) throw invalidApiKey();
+  if (!mayBeIssuedApiKey(token)) {
+    onUnknown?.();
+    throw invalidApiKey();
+  }
   const keySha256 = hashApiKey(token);
   const cached = cache?.get(keySha256);
   if (cached) return cached;
-  const read = () => readKey(db, keySha256);
+  const read = reads ? () => reads.run(() => readKey(db, keySha256)) : () => readKey(db, keySha256);
   const auth = await (cache ? cache.read(keySha256, read) : read());
   if (auth === undefined) {
     onUnknown?.();
@@ -122,6 +137,7 @@ async function readKey(db: Db, keySha256: Buffer): Promise<Auth | undefined> {
     projectId: key.project_id,
     mode: key.mode,
     signingSecretCiphertext: key.signing_secret_ciphertext,
+    requestDeadlineMs: key.request_deadline_ms ?? undefined,
   };
 }
 

@@ -1,89 +1,181 @@
-// SQL for lanes (sql/000008.sql): finding a lane's row, starting its attempts within its limits
-// (gateway.claim_lane), and reading the lanes' state for operators.
+// SQL for queues and lanes (sql/000008.sql, sql/000012.sql): a model's queue, where its requests
+// wait; its deployments' lanes; starting attempts on them within their health and limits
+// (gateway.claim_queue); and the lanes' state for operators.
 import { sql } from 'kysely';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
-import { DISPATCH_LANE } from './jobs.ts';
+import { DISPATCH_QUEUE } from './jobs.ts';
 import type { LaneLimits } from '../upstream/upstreams.ts';
 
-export interface LaneKey {
+export interface QueueKey {
   mode: KeyMode;
-  upstream: string;
   model: string;
 }
 
-export interface Lane extends LaneKey {
+export interface Queue extends QueueKey {
   /** int8, as node-postgres returns it. */
   id: string;
 }
 
-/** The lane's id, its row created on first use (concurrent first uses agree on one row). */
-export async function ensureLane(db: Db, key: LaneKey): Promise<string> {
+// pg_advisory_xact_lock key for "create a queue for a model only a pattern serves": an
+// arbitrary constant, fixed forever (db/migrate.ts has the one before it).
+const PATTERN_QUEUES_LOCK = 7_242_318_002;
+
+/**
+ * The queue's id, its row created on first use (concurrent first uses agree on one row); its
+ * use is recorded (queues.used_at), which keeps it from being pruned for a while.
+ */
+export async function ensureQueue(db: Db, key: QueueKey): Promise<string> {
   const { rows } = await sql<{ id: string }>`
-    insert into gateway.lanes (mode, upstream, model) values (${key.mode}, ${key.upstream}, ${key.model})
-    on conflict (mode, upstream, model) do update set model = excluded.model
+    insert into gateway.queues (mode, model) values (${key.mode}, ${key.model})
+    on conflict (mode, model) do update set used_at = now()
     returning id
   `.execute(db);
   return rows[0]!.id;
 }
 
-export async function findLane(db: Db, id: string): Promise<Lane | undefined> {
-  return db.selectFrom('lanes').select(['id', 'mode', 'upstream', 'model']).where('id', '=', id).executeTakeFirst();
+/**
+ * The queue of a model that only a pattern serves, as ensureQueue gives it; but a new one only
+ * while fewer than `max` queues of the mode are for models that `named` does not hold (the
+ * models the configuration lists by name): undefined when it would be one too many. Creations
+ * take their turns (an advisory lock), so that the bound holds across processes; a queue that
+ * exists is found without one.
+ */
+export async function ensurePatternQueue(
+  db: Db,
+  key: QueueKey,
+  bound: { max: number; named: readonly string[] },
+): Promise<string | undefined> {
+  return db.transaction().execute(async (tx) => {
+    const { rows: found } = await sql<{ id: string }>`
+      update gateway.queues set used_at = now() where mode = ${key.mode} and model = ${key.model} returning id
+    `.execute(tx);
+    if (found[0]) return found[0].id;
+    await sql`select pg_advisory_xact_lock(${PATTERN_QUEUES_LOCK}::bigint)`.execute(tx);
+    const { rows: counted } = await sql<{ queues: number }>`
+      select count(*)::int as queues from (
+        select from gateway.queues where mode = ${key.mode} and model <> all(${bound.named}::text[]) limit ${bound.max}
+      ) as unnamed
+    `.execute(tx);
+    if (counted[0]!.queues >= bound.max) return undefined;
+    return ensureQueue(tx, key);
+  });
 }
 
-/** An attempt a claim started: the request, the attempt's number, and the body to send. */
+export async function findQueue(db: Db, id: string): Promise<Queue | undefined> {
+  return db.selectFrom('queues').select(['id', 'mode', 'model']).where('id', '=', id).executeTakeFirst();
+}
+
+/** The queue of a lane (a dispatch_lane job, queued before queues existed, names a lane). */
+export async function findLaneQueue(db: Db, laneId: string): Promise<string | undefined> {
+  const row = await db.selectFrom('lanes').select('queue_id').where('id', '=', laneId).executeTakeFirst();
+  return row?.queue_id;
+}
+
+/**
+ * The lanes of the queue on these upstreams, its deployments in this order, their rows created
+ * on first use (and numbered so: the claim numbers them again as it walks them).
+ */
+export async function ensureLanes(db: Db, queue: Queue, upstreams: readonly string[]): Promise<string[]> {
+  if (upstreams.length === 0) return [];
+  const { rows } = await sql<{ id: string; upstream: string }>`
+    insert into gateway.lanes (mode, upstream, model, queue_id, deployment)
+    select ${queue.mode}, upstream, ${queue.model}, ${queue.id}::bigint, deployment
+    from unnest(${upstreams}::text[]) with ordinality as listed(upstream, deployment)
+    on conflict (mode, upstream, model) do update set queue_id = excluded.queue_id, deployment = excluded.deployment
+    returning id, upstream
+  `.execute(db);
+  const ids = new Map(rows.map((row) => [row.upstream, row.id]));
+  return upstreams.map((upstream) => ids.get(upstream)!);
+}
+
+/** An attempt a claim started: the request, the attempt's number, the lane it runs on, and the body to send. */
 export interface StartedAttempt {
   id: string;
   attempt: number;
+  /** It is its lane's probe: the lane was open, and is probing now. */
+  probe: boolean;
+  /** Attempts charged to the request before this one (MAX_ATTEMPTS counts these). */
+  charged: number;
+  laneId: string;
   /** JSON text of the upstream body. */
   body: string;
 }
 
-export interface LaneClaim {
+export interface QueueClaim {
   started: StartedAttempt[];
-  /** Requests that are due are still waiting in the lane. */
+  /** Requests that are due are still waiting in the queue. */
   waiting: boolean;
   /**
-   * When the lane has room again, if its rate limits or a pause hold them back (a dispatch is
-   * scheduled for then); undefined when it has room now, or only finishing calls make room.
+   * When a lane has room again, if only time gives it (limits, a pause, a probe: a dispatch is
+   * scheduled for then); undefined when one has room now, or only finishing calls make room.
    */
   roomAt: Date | undefined;
 }
 
-/** Starts up to `max` attempts of the lane for `workerId`, in the projects' turns, within `limits`. */
-export async function claimLane(
+/** A lane of a queue's deployments, in the order they are preferred, with its limits. */
+export interface DeploymentLane {
+  laneId: string;
+  limits: LaneLimits;
+}
+
+/**
+ * Starts up to `max` attempts of the queue for `workerId` on its lanes, the first preferred,
+ * each within its health and limits, in the projects' turns.
+ */
+export async function claimQueue(
   db: Db,
-  laneId: string,
+  queueId: string,
   max: number,
   workerId: string,
-  limits: LaneLimits,
-): Promise<LaneClaim> {
+  lanes: readonly DeploymentLane[],
+): Promise<QueueClaim> {
+  const limit = (pick: (limits: LaneLimits) => number | undefined) => lanes.map((lane) => pick(lane.limits) ?? null);
   const { rows } = await sql<{
     request_id: string | null;
     attempt: number | null;
+    charged: number | null;
     body: string | null;
+    lane_id: string | null;
+    probe: boolean | null;
     waiting: boolean | null;
     room_at: Date | null;
   }>`
-    select request_id, attempt, body, waiting, room_at
-    from gateway.claim_lane(${laneId}::bigint, ${max}::int, ${workerId}::text, ${limits.maxConcurrent ?? null}::int,
-                            ${limits.requestsPerMinute ?? null}::int, ${limits.tokensPerMinute ?? null}::int)
+    select request_id, attempt, charged, body, lane_id, probe, waiting, room_at
+    from gateway.claim_queue(${queueId}::bigint, ${max}::int, ${workerId}::text,
+                             ${lanes.map((lane) => lane.laneId)}::bigint[],
+                             ${limit((limits) => limits.maxConcurrent)}::int[],
+                             ${limit((limits) => limits.requestsPerMinute)}::int[],
+                             ${limit((limits) => limits.tokensPerMinute)}::int[])
   `.execute(db);
   const summary = rows.at(-1)!;
   return {
-    started: rows.slice(0, -1).map((row) => ({ id: row.request_id!, attempt: row.attempt!, body: row.body! })),
+    started: rows.slice(0, -1).map((row) => ({
+      id: row.request_id!,
+      attempt: row.attempt!,
+      charged: row.charged!,
+      laneId: row.lane_id!,
+      probe: row.probe!,
+      body: row.body!,
+    })),
     waiting: summary.waiting ?? false,
     roomAt: summary.room_at ?? undefined,
   };
 }
 
-/** Wakes the lane: a dispatch_lane job due now, for whichever worker fetches it first. */
-export async function addDispatch(db: Db, laneId: string): Promise<void> {
-  await sql`select graphile_worker.add_job(${DISPATCH_LANE}, json_build_object('lane_id', ${laneId}::bigint))`.execute(db);
+/** Wakes the queue: a dispatch_queue job due now, for whichever worker fetches it first. */
+export async function addDispatch(db: Db, queueId: string): Promise<void> {
+  await sql`select graphile_worker.add_job(${DISPATCH_QUEUE}, json_build_object('queue_id', ${queueId}::bigint))`.execute(db);
 }
 
-/** A row of gateway.lane_states: a lane with what it holds now. */
-export interface LaneState extends Lane {
+export type LaneHealth = 'healthy' | 'open' | 'probing' | 'unlisted' | 'no_upstream';
+
+/** A row of gateway.lane_states: a lane with what it holds now (or a model no lane serves: id and upstream null). */
+export interface LaneState {
+  id: string | null;
+  mode: KeyMode;
+  upstream: string | null;
+  model: string;
   waiting: number;
   running: number;
   max_concurrent: number | null;
@@ -91,11 +183,17 @@ export interface LaneState extends Lane {
   tokens_per_minute: number | null;
   paused_until: Date | null;
   next_dispatch_at: Date | null;
+  health: LaneHealth;
+  health_since: Date | null;
+  last_error: string | null;
+  last_error_at: Date | null;
+  next_probe_at: Date | null;
+  deployment: number | null;
 }
 
 export async function laneStates(db: Db): Promise<LaneState[]> {
   const { rows } = await sql<Omit<LaneState, 'waiting' | 'running'> & { waiting: string; running: string }>`
-    select * from gateway.lane_states order by mode, upstream, model
+    select * from gateway.lane_states order by mode, model, deployment nulls last, upstream
   `.execute(db);
   return rows.map((row) => ({ ...row, waiting: Number(row.waiting), running: Number(row.running) }));
 }

@@ -1,23 +1,33 @@
-// Which lane an accepted request waits in (CONTRACT.md section 9): a live request goes to the
-// first upstream whose models match its model, a test request to the simulator. A live model no
-// upstream serves, and a test-delay beyond the ceiling, are refused before anything is stored.
+// Which queue an accepted request waits in: a live request, its model's, served by every upstream
+// whose models match it (its deployments); a test request, the simulator's one queue. A live
+// model no upstream serves, a new model beyond MAX_PATTERN_MODELS that only a pattern serves, a
+// prompt larger than a minute of its deployments' tokens, and a test-delay beyond the ceiling,
+// are refused before anything is stored.
+//
+// Queues are remembered, so that a request for a known model costs no statement here; but for a
+// sixth of PRUNE_IDLE_QUEUES_AFTER at most: looking a queue up again marks it used, so a queue
+// this process routes to is never idle long enough to be pruned (worker/prune.ts). Should one be
+// pruned all the same, the insert finds it gone and the request is routed again (requests/service.ts).
+import { LRUCache } from 'lru-cache';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
 import { invalidRequest } from '../errors.ts';
 import type { KeyMode } from '../ids.ts';
-import { ensureLane, type LaneKey } from './repository.ts';
+import { ensurePatternQueue, ensureQueue, type QueueKey } from './repository.ts';
 import { estimatePromptTokens, loadTokenizer } from './tokens.ts';
 import { testBehaviour } from '../upstream/simulator.ts';
-import { routeModel, SIMULATOR } from '../upstream/upstreams.ts';
+import { deploymentsOf } from '../upstream/upstreams.ts';
 
-/** The simulator's one lane takes every test-mode model. */
-const ANY_MODEL = '*';
-// Lane ids remembered; past this many (models are the clients' to choose), the memory starts over.
-const MAX_REMEMBERED = 10_000;
+/** The simulator's one queue takes every test-mode model. */
+export const ANY_MODEL = '*';
+/** Queue ids remembered at most (the least recently used are forgotten first). */
+export const QUEUES_REMEMBERED = 10_000;
+
+type RouterConfig = Pick<Config, 'upstreams' | 'testDelayMaxMs' | 'maxPatternModels' | 'pruneIdleQueuesAfterMs'>;
 
 export interface Routed {
-  laneId: string;
-  /** Prompt tokens estimated from the body, for a lane with tokens_per_minute; null otherwise. */
+  queueId: string;
+  /** Prompt tokens estimated from the body, when a deployment has tokens_per_minute; null otherwise. */
   promptTokensEstimate: number | null;
 }
 
@@ -26,20 +36,27 @@ export interface RoutedBody {
   messages: readonly { role: string; content: string }[];
 }
 
-export class LaneRouter {
+export class QueueRouter {
   readonly #db: Db;
-  readonly #config: Pick<Config, 'upstreams' | 'testDelayMaxMs'>;
-  /** Lane ids by mode, upstream and model; concurrent first uses share one read. */
-  readonly #ids = new Map<string, Promise<string>>();
+  readonly #config: RouterConfig;
+  /** The models the upstreams list by name: MAX_PATTERN_MODELS does not count theirs. */
+  readonly #named: readonly string[];
+  /** Queue ids by mode and model; concurrent first uses share one read. */
+  readonly #ids: LRUCache<string, Promise<string>>;
 
-  constructor(db: Db, config: Pick<Config, 'upstreams' | 'testDelayMaxMs'>) {
+  constructor(db: Db, config: RouterConfig, options: { remembered?: number } = {}) {
     this.#db = db;
     this.#config = config;
+    this.#named = [...new Set(config.upstreams.flatMap((upstream) => upstream.models.filter((model) => !model.endsWith('*'))))];
+    this.#ids = new LRUCache({
+      max: options.remembered ?? QUEUES_REMEMBERED,
+      ttl: Math.max(1, Math.floor(config.pruneIdleQueuesAfterMs / 6)),
+    });
     // Loading the tokenizer holds the event loop noticeably: at start-up, not on a request.
     if (config.upstreams.some((upstream) => upstream.limits.tokensPerMinute !== undefined)) loadTokenizer();
   }
 
-  /** The lane of a request of this mode and body; a 400 naming `model` when there is none. */
+  /** The queue of a request of this mode and body; a 400 naming `model` when no upstream serves it. */
   async route(mode: KeyMode, body: RoutedBody): Promise<Routed> {
     if (mode === 'test') {
       const behaviour = testBehaviour(body.model);
@@ -50,26 +67,67 @@ export class LaneRouter {
           'model',
         );
       }
-      return { laneId: await this.#laneId({ mode, upstream: SIMULATOR, model: ANY_MODEL }), promptTokensEstimate: null };
+      return { queueId: await this.#queueId({ mode, model: ANY_MODEL }), promptTokensEstimate: null };
     }
-    const upstream = routeModel(this.#config.upstreams, body.model);
-    if (!upstream) {
+    const deployments = deploymentsOf(this.#config.upstreams, body.model);
+    if (deployments.length === 0) {
       throw invalidRequest('invalid_parameter', `Invalid 'model': no upstream serves the model '${body.model}'.`, 'model');
     }
-    const estimate = upstream.limits.tokensPerMinute === undefined ? null : estimatePromptTokens(body);
-    return { laneId: await this.#laneId({ mode, upstream: upstream.name, model: body.model }), promptTokensEstimate: estimate };
+    const counted = deployments.some((upstream) => upstream.limits.tokensPerMinute !== undefined);
+    const estimate = counted ? estimatePromptTokens(body) : null;
+    // A prompt larger than a minute of every deployment's tokens would never fit: refused, rather
+    // than shutting a lane for minutes by overdrawing it (a lane without the limit takes any).
+    if (estimate !== null && deployments.every((upstream) => estimate > (upstream.limits.tokensPerMinute ?? Infinity))) {
+      const most = Math.max(...deployments.map((upstream) => upstream.limits.tokensPerMinute!));
+      throw invalidRequest(
+        'invalid_parameter',
+        `Invalid 'messages': the prompt is estimated at ${estimate} tokens, more than the ${most} tokens per minute that the upstreams serving '${body.model}' allow.`,
+        'messages',
+      );
+    }
+    const named = deployments.some((upstream) => upstream.models.includes(body.model));
+    const queueId = await this.#queueId({ mode, model: body.model }, named);
+    return { queueId, promptTokensEstimate: estimate };
   }
 
-  #laneId(key: LaneKey): Promise<string> {
-    const name = `${key.mode}\n${key.upstream}\n${key.model}`;
+  /** Forgets the queue of this mode and model (it was found pruned): the next route looks it up. */
+  forget(mode: KeyMode, model: string): void {
+    this.#ids.delete(keyOf({ mode, model: mode === 'test' ? ANY_MODEL : model }));
+  }
+
+  /** Queue ids remembered now. */
+  get remembered(): number {
+    return this.#ids.size;
+  }
+
+  /** The queue's id; `named`: an upstream lists the model by name (never refused). */
+  #queueId(key: QueueKey, named = true): Promise<string> {
+    const name = keyOf(key);
     let id = this.#ids.get(name);
     if (id === undefined) {
-      if (this.#ids.size >= MAX_REMEMBERED) this.#ids.clear();
-      id = ensureLane(this.#db, key);
+      id = named ? ensureQueue(this.#db, key) : this.#patternQueue(key);
       this.#ids.set(name, id);
-      // A failed read is not remembered: the next request tries again.
-      id.catch(() => this.#ids.delete(name));
+      // A failed read or a refusal is not remembered: the next request asks again.
+      const remembered = id;
+      id.catch(() => {
+        if (this.#ids.peek(name) === remembered) this.#ids.delete(name);
+      });
+    }
+    return id;
+  }
+
+  async #patternQueue(key: QueueKey): Promise<string> {
+    const max = this.#config.maxPatternModels;
+    const id = await ensurePatternQueue(this.#db, key, { max, named: this.#named });
+    if (id === undefined) {
+      throw invalidRequest(
+        'invalid_parameter',
+        `Invalid 'model': the gateway already serves ${max} models that no upstream lists by name, as many as it may; '${key.model}' would be one more.`,
+        'model',
+      );
     }
     return id;
   }
 }
+
+const keyOf = (key: QueueKey) => `${key.mode}\n${key.model}`;

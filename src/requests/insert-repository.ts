@@ -1,12 +1,13 @@
 // SQL of accepting requests (requests/insert-batcher.ts, requests/service.ts): storing a group of
-// submissions with their nonces, each queued in its lane, and finding the answer of a submission
+// submissions with their nonces, each in its model's queue, and finding the answer of a submission
 // whose idempotency key was taken before.
 import { sql, type Nullable, type Selectable } from 'kysely';
+import pg from 'pg';
 import type { RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { NONCE_KEPT_SECONDS, type Nonce } from '../keys/repository.ts';
-import { DISPATCH_LANE } from '../lanes/jobs.ts';
+import { DISPATCH_QUEUE } from '../lanes/jobs.ts';
 
 export interface NewRequest {
   id: string;
@@ -17,10 +18,12 @@ export interface NewRequest {
   body: string;
   body_sha256: Buffer;
   idempotency_key: string | null;
-  /** The lane it was routed to (lanes/routing.ts). */
-  lane_id: string;
-  /** Prompt tokens estimated, for a lane with tokens_per_minute. */
+  /** The queue it was routed to (lanes/routing.ts). */
+  queue_id: string;
+  /** Prompt tokens estimated, when a deployment of its model has tokens_per_minute. */
   prompt_tokens_estimate: number | null;
+  /** How long it may take to finish: its deadline_at is its acceptance (now()) plus this. */
+  deadline_ms: number;
 }
 
 /** What a submission is answered with: enough for the acknowledgement and the 200. */
@@ -38,10 +41,10 @@ export type InsertResult =
 
 /**
  * Stores a group of requests in one statement, and so one commit: the nonces of those that
- * were signed, and the requests whose nonce was new (or that had none), each queued in its lane.
- * One add_jobs call wakes each lane of the group (graphile-worker's NOTIFY, taken once per
- * commit, is what limits one-request transactions), unless the lane waits for its limits anyway
- * and has its dispatch scheduled (lanes.wake_at). A nonce and its request are stored together or
+ * were signed, and the requests whose nonce was new (or that had none), each in its queue.
+ * One add_jobs call wakes each queue of the group (graphile-worker's NOTIFY, taken once per
+ * commit, is what limits one-request transactions), unless the queue waits for its lanes anyway
+ * and has its dispatch scheduled (queues.wake_at). A nonce and its request are stored together or
  * not at all. Returns one result per item, in order.
  */
 export async function insertRequests(
@@ -62,11 +65,12 @@ export async function insertRequests(
         ${column((i) => i.request.body)}::text[],
         ${column((i) => i.request.body_sha256)}::bytea[],
         ${column((i) => i.request.idempotency_key)}::text[],
-        ${column((i) => i.request.lane_id)}::bigint[],
+        ${column((i) => i.request.queue_id)}::bigint[],
         ${column((i) => i.request.prompt_tokens_estimate)}::int[],
+        ${column((i) => i.request.deadline_ms)}::float8[],
         ${column((i) => i.nonce?.nonce ?? null)}::text[]
       ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
-                              lane_id, prompt_tokens_estimate, nonce, ord)
+                              queue_id, prompt_tokens_estimate, deadline_ms, nonce, ord)
     ), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
       select api_key_id, nonce, now() + ${NONCE_KEPT_SECONDS} * interval '1 second' from input where nonce is not null
@@ -78,25 +82,25 @@ export async function insertRequests(
          or exists (select from nonces where nonces.api_key_id = input.api_key_id and nonces.nonce = input.nonce)
     ), inserted as (
       insert into gateway.requests
-        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, lane_id,
-         prompt_tokens_estimate, next_attempt_at)
-      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key, lane_id,
-             prompt_tokens_estimate, now()
+        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, queue_id,
+         prompt_tokens_estimate, next_attempt_at, deadline_at)
+      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key, queue_id,
+             prompt_tokens_estimate, now(), now() + deadline_ms * interval '1 millisecond'
       from accepted
       on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
-      returning id, status, created_at, lane_id
+      returning id, status, created_at, queue_id
     ), woken as (
-      select distinct inserted.lane_id from inserted
-      where not exists (select from gateway.lanes where lanes.id = inserted.lane_id and lanes.wake_at > now())
+      select distinct inserted.queue_id from inserted
+      where not exists (select from gateway.queues where queues.id = inserted.queue_id and queues.wake_at > now())
     ), jobs as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
-        select row(${DISPATCH_LANE}, json_build_object('lane_id', lane_id), null, null, null, null, null, null)::graphile_worker.job_spec
+        select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null, null, null, null, null, null)::graphile_worker.job_spec
         from woken
       ))
       where exists (select from woken)
     )
-    -- Joined to the jobs, so that add_jobs runs (once, for all) whenever a lane is to be woken.
+    -- Joined to the jobs, so that add_jobs runs (once, for all) whenever a queue is to be woken.
     select input.ord, accepted.id is not null as nonce_accepted, inserted.id, inserted.status, inserted.created_at
     from input
     cross join jobs
@@ -118,6 +122,14 @@ export async function insertRequests(
       },
     };
   });
+}
+
+/**
+ * The insert failed because the queue it names no longer exists: it was pruned (idle and empty)
+ * after the request was routed to it. Nothing of the statement was stored.
+ */
+export function isQueueGone(error: unknown): boolean {
+  return error instanceof pg.DatabaseError && error.code === '23503' && error.constraint === 'requests_queue_id_fkey';
 }
 
 const answerColumns = sql`id, status, created_at, result::text as result, body_sha256`;

@@ -28,6 +28,8 @@ export const CreateCompletion = v.strictObject({
     v.string('expected a string'),
     v.minLength(1, 'expected 1 to 256 characters'),
     v.maxLength(256, 'expected 1 to 256 characters'),
+    // Postgres text holds no NUL: refused here rather than failing as the row is stored.
+    v.check((model) => !model.includes('\u0000'), 'expected no NUL character'),
   ),
   messages: v.pipe(
     v.array(Message, 'expected an array of messages'),

@@ -10,11 +10,11 @@ import type { Batcher } from '../db/batcher.ts';
 import type { Auth } from '../keys/auth.ts';
 import type { Metrics } from '../metrics.ts';
 import { replayedRequest, type VerifiedSignature } from '../keys/signatures.ts';
-import type { LaneRouter, Routed } from '../lanes/routing.ts';
+import type { QueueRouter, Routed } from '../lanes/routing.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import type { Intake } from './intake.ts';
 import { cancelRequest } from './cancel-repository.ts';
-import { findAnswerByIdempotencyKey, type RequestAnswer } from './insert-repository.ts';
+import { findAnswerByIdempotencyKey, isQueueGone, type InsertResult, type NewRequest, type RequestAnswer } from './insert-repository.ts';
 import type { RequestRow } from './read-repository.ts';
 import type { RecordRow } from './record.ts';
 import type { Submission } from './schemas.ts';
@@ -28,15 +28,15 @@ export interface RequestDeps {
   reads: Batcher<string, RequestRow | undefined>;
   waiters: Waiters;
   metrics: Metrics;
-  config: Pick<Config, 'waitTimeoutMs'>;
-  lanes: LaneRouter;
+  config: Pick<Config, 'waitTimeoutMs' | 'requestDeadlineMs'>;
+  queues: QueueRouter;
   /** RATE_LIMIT_RPS and MAX_UNFINISHED_PER_PROJECT; undefined: no intake limits. */
   intake?: Intake | undefined;
   /**
-   * Told the lane of each request just stored: a process that also runs a worker dispatches it
+   * Told the queue of each request just stored: a process that also runs a worker dispatches it
    * at once, rather than when its queued dispatch job is fetched.
    */
-  onStored?: ((laneId: string) => void) | undefined;
+  onStored?: ((queueId: string) => void) | undefined;
 }
 
 export interface SubmitOptions {
@@ -59,8 +59,8 @@ export interface Waiting {
 const isTerminal = (status: RequestStatus) => TERMINAL_STATUSES.includes(status);
 
 /**
- * Routes the request to its lane, checks the intake limits, and stores it there with a dispatch
- * of the lane (or finds the one its idempotency key names). Resolves only after the request is
+ * Checks the intake limits, routes the request to its queue, and stores it there with a dispatch
+ * of the queue (or finds the one its idempotency key names). Resolves only after the request is
  * committed, so every id it returns is durable. For wait=true, unless the request has finished
  * already, it resolves then with the wait under way (Waiting), which holds on until the request
  * finishes or the wait timeout passes. Thousands of requests may wait at once: the wait keeps
@@ -72,8 +72,9 @@ export async function submit(
   submission: Submission,
   options: SubmitOptions = {},
 ): Promise<SubmitOutcome | Waiting> {
-  const routed = await deps.lanes.route(auth.mode, submission);
+  // The intake limits first: a refused request stores nothing, not even its model's queue.
   deps.intake?.admitSubmission(auth);
+  const routed = await deps.queues.route(auth.mode, submission);
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
   let watch = submission.wait ? deps.waiters.watch(id) : undefined;
@@ -81,7 +82,7 @@ export async function submit(
     const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature));
     let { answer } = stored;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
-    if (!stored.replayed) deps.onStored?.(routed.laneId);
+    if (!stored.replayed) deps.onStored?.(stored.queueId);
     if (watch && answer.id !== id) {
       // An idempotent replay: watch the existing request instead, then read it again.
       watch.close();
@@ -104,8 +105,8 @@ async function store(
   id: string,
   routed: Routed,
   nonce: Nonce | undefined,
-): Promise<{ answer: RequestAnswer; replayed: boolean }> {
-  const request = {
+): Promise<{ answer: RequestAnswer; replayed: boolean; queueId: string }> {
+  const request: NewRequest = {
     id,
     project_id: auth.projectId,
     mode: auth.mode,
@@ -114,28 +115,52 @@ async function store(
     body: submission.body,
     body_sha256: submission.bodySha256,
     idempotency_key: submission.idempotencyKey ?? null,
-    lane_id: routed.laneId,
+    queue_id: routed.queueId,
     prompt_tokens_estimate: routed.promptTokensEstimate,
+    // A key's own deadline can only shorten REQUEST_DEADLINE.
+    deadline_ms: Math.min(auth.requestDeadlineMs ?? Infinity, deps.config.requestDeadlineMs),
   };
   // Twice at most: the request holding the idempotency key may be deleted (retention) between
   // the insert that found it and the read that looks for it.
   for (let tries = 1; ; tries++) {
-    const inserted = await deps.inserts.insert(request, tries === 1 ? nonce : undefined);
+    const inserted = await insertRouted(deps, auth, submission, request, tries === 1 ? nonce : undefined);
     if (inserted.kind === 'replayed_nonce') throw replayedRequest();
     if (inserted.kind === 'inserted') {
       deps.metrics.accepted.inc({ mode: auth.mode });
-      return { answer: inserted.answer, replayed: false };
+      return { answer: inserted.answer, replayed: false, queueId: request.queue_id };
     }
 
     // The key is taken: by the time the insert gave way, the request holding it was committed.
     const existing = await findAnswerByIdempotencyKey(deps.db, request, request.idempotency_key!);
-    if (existing && existing.body_sha256.equals(submission.bodySha256)) return { answer: existing, replayed: true };
+    if (existing && existing.body_sha256.equals(submission.bodySha256)) return { answer: existing, replayed: true, queueId: request.queue_id };
     if (existing || tries >= 2) {
       // A refused request stores nothing: not even its nonce.
       if (nonce) await deleteNonce(deps.db, nonce);
       if (existing) throw idempotencyKeyReused();
       throw new Error('the request holding this idempotency key kept disappearing');
     }
+  }
+}
+
+/**
+ * Inserts the request. A queue is pruned only once idle for a while, and a process looks up the
+ * queues it routes to more often than that; but should the request's queue have been pruned
+ * since all the same, the insert stored nothing, and the request is routed again (a new queue).
+ */
+async function insertRouted(
+  deps: RequestDeps,
+  auth: Auth,
+  submission: Submission,
+  request: NewRequest,
+  nonce: Nonce | undefined,
+): Promise<InsertResult> {
+  try {
+    return await deps.inserts.insert(request, nonce);
+  } catch (error) {
+    if (!isQueueGone(error)) throw error;
+    deps.queues.forget(auth.mode, submission.model);
+    request.queue_id = (await deps.queues.route(auth.mode, submission)).queueId;
+    return deps.inserts.insert(request, nonce);
   }
 }
 
@@ -218,13 +243,18 @@ export async function cancel(
   options: SubmitOptions = {},
 ): Promise<RecordRow> {
   deps.intake?.admitLookup(auth);
-  // A POST: its nonce is accepted once, as a submission's is.
-  const nonce = nonceOf(auth, options.signature);
-  if (nonce && !(await insertNonce(deps.db, nonce))) throw replayedRequest();
   if (!REQUEST_ID.test(id)) throw requestNotFound();
-  const outcome = await cancelRequest(deps.db, { project_id: auth.projectId, mode: auth.mode }, id);
-  if (outcome === undefined) throw requestNotFound();
-  if (!('record' in outcome)) throw requestAlreadyFinished(outcome.previousStatus);
+  // A POST: its nonce is accepted once, as a submission's is, and stored only with a cancel that
+  // is answered 200: a refused one (404, 409) rolls it back. The same nonce sent twice at once
+  // waits on the first's insert, and is a replay if that one commits.
+  const nonce = nonceOf(auth, options.signature);
+  const outcome = await deps.db.transaction().execute(async (tx) => {
+    if (nonce && !(await insertNonce(tx, nonce))) throw replayedRequest();
+    const found = await cancelRequest(tx, { project_id: auth.projectId, mode: auth.mode }, id);
+    if (found === undefined) throw requestNotFound();
+    if (!('record' in found)) throw requestAlreadyFinished(found.previousStatus);
+    return found;
+  });
   if (outcome.previousStatus !== 'cancelled') deps.metrics.cancelled.inc({ mode: auth.mode, from: outcome.previousStatus });
   return outcome.record;
 }

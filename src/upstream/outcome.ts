@@ -1,15 +1,31 @@
-// How an attempt ends (CONTRACT.md section 1): a chat completion, or one of these codes.
+// How an attempt ends: a chat completion, or one of these codes, each with whose fault it is.
+// - request: the request's own (the upstream refused it as it is): always charged, never retried.
+// - upstream: the provider's (down, slow, broken, or refusing the operator's key): retried, and
+//   charged to the request only while its lane is otherwise healthy (a request failing where
+//   others succeed); these failures are what open a lane.
+// - rate_limited: a 429 pauses the lane; never charged.
+// - worker: the worker running the attempt was lost; charged, so that a request that brings
+//   workers down still ends.
+
+/** Whose fault a failed attempt is. */
+export type Fault = 'request' | 'upstream' | 'rate_limited' | 'worker';
+
+/**
+ * The one code no call returns: the worker's deadline expiry writes it (worker/deadlines.ts), on
+ * the request and on the attempt it cuts short. Not retried.
+ */
+export const DEADLINE_EXCEEDED = 'deadline_exceeded';
 
 export const ATTEMPT_ERRORS = {
-  upstream_timeout: { retryable: true },
-  upstream_connection_error: { retryable: true },
-  upstream_rate_limited: { retryable: true },
-  upstream_server_error: { retryable: true },
-  upstream_invalid_response: { retryable: true },
-  worker_lost: { retryable: true },
-  upstream_bad_request: { retryable: false },
-  upstream_auth_error: { retryable: false },
-} as const;
+  upstream_timeout: { retryable: true, fault: 'upstream' },
+  upstream_connection_error: { retryable: true, fault: 'upstream' },
+  upstream_rate_limited: { retryable: true, fault: 'rate_limited' },
+  upstream_server_error: { retryable: true, fault: 'upstream' },
+  upstream_invalid_response: { retryable: true, fault: 'upstream' },
+  upstream_auth_error: { retryable: true, fault: 'upstream' },
+  worker_lost: { retryable: true, fault: 'worker' },
+  upstream_bad_request: { retryable: false, fault: 'request' },
+} as const satisfies Record<string, { retryable: boolean; fault: Fault }>;
 
 export type AttemptErrorCode = keyof typeof ATTEMPT_ERRORS;
 

@@ -1,6 +1,6 @@
-// The upstreams a live request can go to (CONTRACT.md section 9): the UPSTREAMS_FILE format,
-// its checks, and routing a request to the first upstream that serves its model. The file is
-// read once at start-up, so a bad one stops the process with one message naming every problem.
+// The upstreams a live request can go to: the UPSTREAMS_FILE format, its checks, and a model's
+// deployments: every upstream that serves it, preferred in the file's order. The file is read
+// once at start-up, so a bad one stops the process with one message naming every problem.
 import { readFileSync } from 'node:fs';
 import * as v from 'valibot';
 import { parse as parseYaml, parseDocument as parseYamlDocument, YAMLParseError } from 'yaml';
@@ -18,8 +18,10 @@ export interface Upstream {
   /** Without trailing slashes: the calls go to `${baseUrl}/chat/completions`. */
   readonly baseUrl: string;
   readonly apiKey: string | undefined;
-  /** Exact model names and `prefix*` patterns; `*` alone serves every model. */
+  /** Exact model names and `prefix*` patterns, as clients request them; `*` alone serves every model. */
   readonly models: readonly string[];
+  /** The upstream's own name for a model that it serves under another (public name to its own). */
+  readonly renames: Readonly<Record<string, string>>;
   readonly limits: LaneLimits;
 }
 
@@ -41,6 +43,15 @@ export class UpstreamsFileError extends Error {
 
 const MAX_LIMIT = 10_000_000;
 const ENV_NAME = /^[A-Za-z_][A-Za-z0-9_]*$/;
+// The gateway's own secrets (and SECRET_ENCRYPTION_KEY*): an upstream's key is sent to its
+// base_url, so a file naming one of these would hand it to whoever answers there.
+const GATEWAY_VARIABLES = ['DATABASE_URL', 'METRICS_TOKEN', 'GATEWAY_SIGNING_SECRET', 'GATEWAY_API_KEY'];
+
+/** Whether the variable is one of the gateway's own (in any case: some systems' variables ignore it). */
+function isGatewayVariable(name: string): boolean {
+  const upper = name.toUpperCase();
+  return upper.startsWith('SECRET_ENCRYPTION_KEY') || GATEWAY_VARIABLES.includes(upper);
+}
 
 /** A strict object, so a misspelt key is an error rather than a setting silently ignored. */
 const settings = <const Entries extends v.ObjectEntries>(entries: Entries) =>
@@ -60,11 +71,18 @@ const limit = v.optional(
   ),
 );
 
-const Model = v.pipe(
+const ModelName = v.pipe(
   v.string('must be a string'),
   v.minLength(1, 'must be 1 to 256 characters'),
   v.maxLength(256, 'must be 1 to 256 characters'),
-  v.regex(/^[^*]*\*?$/, 'may hold "*" only as its last character (a prefix pattern)'),
+);
+
+const Model = v.pipe(ModelName, v.regex(/^[^*]*\*?$/, 'may hold "*" only as its last character (a prefix pattern)'));
+
+/** `{"gpt-4o": "my-gpt-4o-deployment"}`: the model clients name, served under the upstream's own name. */
+const RenamedModel = v.pipe(
+  v.record(v.pipe(ModelName, v.regex(/^[^*]*$/, 'must be an exact model name to be renamed (no "*")')), ModelName),
+  v.check((entry) => Object.keys(entry).length === 1, 'must map one model name to the upstream\'s own name for it'),
 );
 
 /** The file's schema; `env` is where the api_key_env variables must be set. */
@@ -88,14 +106,26 @@ function upstreamsFile(env: Record<string, string | undefined>) {
       v.pipe(
         v.string('must be a string'),
         v.regex(ENV_NAME, 'must be the name of an environment variable (letters, digits and "_", not starting with a digit)'),
+        v.check(
+          (name) => !isGatewayVariable(name),
+          (issue) =>
+            `names ${String(issue.input)}, a variable of the gateway's own; an upstream's key must be in a variable of its own (it is sent to the upstream)`,
+        ),
         // The message names the variable only: its value is a key and never goes into a message.
         v.check(
-          (name) => !ENV_NAME.test(name) || keyIn(env, name) !== undefined,
+          (name) => !ENV_NAME.test(name) || isGatewayVariable(name) || keyIn(env, name) !== undefined,
           (issue) => `names the environment variable ${String(issue.input)}, which is not set or empty`,
         ),
       ),
     ),
-    models: v.pipe(v.array(Model, 'must be a list of model names'), v.minLength(1, 'must list at least one model')),
+    models: v.pipe(
+      v.array(
+        // An object is a rename; anything else must be a name (its messages say why not).
+        v.lazy((input) => (typeof input === 'object' && input !== null && !Array.isArray(input) ? RenamedModel : Model)),
+        'must be a list of model names',
+      ),
+      v.minLength(1, 'must list at least one model'),
+    ),
     limits: v.optional(
       settings({
         max_concurrent: limit,
@@ -140,7 +170,8 @@ export function loadUpstreamsFile(path: string, env: Record<string, string | und
         name: upstream.name,
         baseUrl: upstream.base_url,
         apiKey: upstream.api_key_env === undefined ? undefined : keyIn(env, upstream.api_key_env),
-        models: Object.freeze([...upstream.models]),
+        models: Object.freeze(upstream.models.map((entry) => (typeof entry === 'string' ? entry : Object.keys(entry)[0]!))),
+        renames: Object.freeze(Object.fromEntries(upstream.models.flatMap((entry) => (typeof entry === 'string' ? [] : Object.entries(entry))))),
         limits: Object.freeze({
           maxConcurrent: upstream.limits?.max_concurrent,
           requestsPerMinute: upstream.limits?.requests_per_minute,
@@ -157,13 +188,19 @@ export function defaultUpstream(baseUrl: string, apiKey: string | undefined): Up
     baseUrl: baseUrl.replace(/\/+$/, ''),
     apiKey,
     models: Object.freeze(['*']),
+    renames: Object.freeze({}),
     limits: NO_LIMITS,
   });
 }
 
-/** The first upstream, in the file's order, with a model name or prefix pattern that matches. */
-export function routeModel(upstreams: readonly Upstream[], model: string): Upstream | undefined {
-  return upstreams.find((upstream) => matchingPattern(upstream, model) !== undefined);
+/** The model's deployments: the upstreams with a model name or prefix pattern that matches it, in the file's order. */
+export function deploymentsOf(upstreams: readonly Upstream[], model: string): Upstream[] {
+  return upstreams.filter((upstream) => matchingPattern(upstream, model) !== undefined);
+}
+
+/** The name the upstream knows the model by: its own, when the file renames it. */
+export function upstreamModel(upstream: Upstream, model: string): string {
+  return Object.hasOwn(upstream.renames, model) ? upstream.renames[model]! : model;
 }
 
 /**

@@ -1,10 +1,24 @@
 // Delivering webhook messages (CONTRACT.md section 13), one try at a time. A deliver_webhook job
 // claims its message in one statement and starts the try here, then ends: a try in flight holds
 // a socket and a timer, not a graphile-worker slot nor a database connection, as upstream calls
-// do (worker/dispatcher.ts), up to WEBHOOK_MAX_IN_FLIGHT per process. The try POSTs the event,
-// signed as Standard Webhooks says, and its end is recorded in one statement: delivered on a 2xx;
-// a 410 disables the endpoint; anything else, or no answer within WEBHOOK_TIMEOUT_MS, is retried
-// after the next wait of WEBHOOK_RETRY_SCHEDULE, until the schedule is spent.
+// do (worker/dispatcher.ts). The try POSTs the event, signed as Standard Webhooks says, and its
+// end is recorded in one statement: delivered on a 2xx; a 410 disables the endpoint; anything
+// else, or no answer within WEBHOOK_TIMEOUT_MS, is retried after the next wait of
+// WEBHOOK_RETRY_SCHEDULE, until the schedule is spent.
+//
+// One endpoint cannot take the room of the others:
+// - a process has up to WEBHOOK_MAX_IN_FLIGHT tries in flight, and up to
+//   WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT of them to one endpoint (counted here, per process);
+// - an endpoint that leaves a try unanswered until the timeout backs off, for every worker (its
+//   row: sql/000014.sql): no try starts on it for ENDPOINT_BACKOFF.minMs, then one at a time (a
+//   probe), the wait doubling after each probe left unanswered; any other end of a try ends it.
+// A message that finds no room or its endpoint backing off is not claimed, so it keeps its tries
+// (its retry schedule is untouched): it waits, pending and due, and its job ends. Its endpoint's
+// one wake_webhook_endpoint job (scheduleWake) then claims the endpoint's waiting messages, oldest
+// first, as room allows, and is added again while some still wait: when the backoff's wait ends,
+// or after a wait doubling each time it finds no room (wakeDelay); being a job, it outlives the
+// worker that added it. Room made here is taken at once: a try ending here claims its endpoint's
+// waiting messages, then those of endpoints that waited for this process's room (#pull).
 //
 // Tries are owned by the process's worker id (the dispatcher's, kept alive by the supervisor's
 // heartbeat). If the process dies, its messages stay delivering until the supervisor's sweep
@@ -23,13 +37,19 @@ import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { recordJson } from '../requests/record.ts';
-import { deliveryConnector, ForbiddenAddressError } from './address.ts';
+import { deliveryConnector, ForbiddenAddressError, isAllowedScheme } from './address.ts';
 import {
   addDeliveryJob,
+  claimDue,
   claimMessage,
+  findMessageEndpoint,
   finishTry,
   recoverLostDeliveries,
+  scheduleWake,
+  type Claim,
   type ClaimedMessage,
+  type DueClaim,
+  type EndpointBackoff,
   type TryEnd,
 } from './delivery-repository.ts';
 
@@ -43,22 +63,30 @@ export interface WebhookDelivererOptions {
   logger: Logger;
 }
 
-/** What deliver() did with a message. */
+/** What deliver() did with a message, or wake() with an endpoint's. */
 export type Delivery =
-  /** A try is under way. */
+  /** A try is under way (wake: at least one). */
   | 'started'
   /** Its endpoint is disabled: the message is abandoned. */
   | 'abandoned'
   /** Nothing to do: not pending or not due (delivered, given up, under way elsewhere, removed). */
   | 'nothing'
-  /** No try now (no room, shutting down, no SECRET_ENCRYPTION_KEY): its job is added again for later. */
+  /**
+   * No try now. No room, or the endpoint backs off: the message waits for its endpoint's wake.
+   * Shutting down, or no SECRET_ENCRYPTION_KEY: its job is added again for later.
+   */
   | 'deferred';
+
+/** Why a due message was not tried (gateway_webhook_deferrals_total). */
+type DeferralReason = 'endpoint_busy' | 'worker_busy' | 'endpoint_backing_off';
 
 /** The longest wait before a retry, whatever the schedule or a retry-after says. */
 export const MAX_RETRY_WAIT_MS = 24 * 60 * 60 * 1000;
-// A process at WEBHOOK_MAX_IN_FLIGHT hands the message back for this much later (another worker
-// with room may take it sooner).
-const BUSY_RETRY_MS = 1_000;
+/** The waits of an endpoint that backs off: 1 s after its first time-out, doubled after each probe left unanswered. */
+export const ENDPOINT_BACKOFF: EndpointBackoff = { minMs: 1_000, maxMs: 60_000 };
+// A probe keeps the other tries off its endpoint for WEBHOOK_TIMEOUT_MS and this much more: the
+// time to record its end, which starts the next wait.
+const PROBE_MARGIN_MS = 1_000;
 // Without SECRET_ENCRYPTION_KEY nothing can be signed: messages are looked at again this often.
 const NO_KEY_RETRY_MS = 60_000;
 // What of a receiver's answer is read (and dropped), so that its connection serves the next try.
@@ -66,11 +94,20 @@ const MAX_ANSWER_BYTES = 64 * 1024;
 // Idle connections to an endpoint kept for its next tries this long.
 const KEEP_ALIVE_MS = 10_000;
 // How long a statement other than a try's end is retried while the database is unavailable
-// (the deliver_webhook job fails then, and graphile-worker runs it again later).
+// (the job fails then, and graphile-worker runs it again later).
 const OUTAGE_PATIENCE_MS = 60_000;
 
 const ABORTED_BY_SHUTDOWN = 'shutdown';
 const ABORTED_BY_TIMEOUT = 'timeout';
+
+/**
+ * How long an endpoint's wake job waits before looking at messages that found no room, the
+ * `deferrals`-th time in a row that there was none: 1 s, doubled each time, up to a minute. (A
+ * try ending in a process that has the room looks at once.)
+ */
+export function wakeDelay(deferrals: number): number {
+  return Math.min(60_000, 1_000 * 2 ** Math.min(deferrals, 16));
+}
 
 /**
  * The wait before the try after try number `tries` failed: that entry of the schedule, ±10 %
@@ -99,7 +136,27 @@ export function eventBody(message: Pick<ClaimedMessage, 'event_type' | 'created_
 type Answer =
   | { kind: 'delivered'; httpStatus: number }
   | { kind: 'gone'; httpStatus: number }
-  | { kind: 'failed'; httpStatus: number | null; error: string; retryAfterMs?: number | undefined; retryAtOnce?: boolean };
+  | {
+      kind: 'failed';
+      httpStatus: number | null;
+      error: string;
+      retryAfterMs?: number | undefined;
+      retryAtOnce?: boolean;
+      /** What it says of the endpoint (TryEnd.timedOut): undefined when the failure was ours. */
+      timedOut: boolean | undefined;
+    };
+
+/** What this process knows of an endpoint it delivers to. */
+interface EndpointSlot {
+  readonly id: string;
+  /** Its tries in flight here, and the room that claims under way hold for it. */
+  busy: number;
+  /** Some of its messages wait, due, for room here: room made here is offered to it (#pull). */
+  waiting: boolean;
+  /** The claims of its waiting messages under way; `again`: room was made meanwhile. */
+  pulling: Promise<void> | undefined;
+  again: boolean;
+}
 
 export class WebhookDeliverer {
   readonly workerId: string;
@@ -108,7 +165,13 @@ export class WebhookDeliverer {
   readonly #agent: Agent;
   /** Tries in flight: each one's abort controller, and the promise of its end. */
   readonly #tries = new Map<AbortController, InFlight>();
-  /** Claims under way (each may start a try): counted against the capacity, awaited by stop(). */
+  /** The endpoints with tries in flight here, claims under way, or messages waiting for room here. */
+  readonly #endpoints = new Map<string, EndpointSlot>();
+  /** Those whose messages wait for room here, in the order they began to wait. */
+  readonly #waiting = new Set<EndpointSlot>();
+  /** Room held by claims under way, all endpoints together (counted against WEBHOOK_MAX_IN_FLIGHT). */
+  #held = 0;
+  /** Claims under way (each may start tries): awaited by stop(). */
   readonly #claims = new Set<Promise<unknown>>();
   #stopping = false;
   /** Aborted once the shutdown's grace is over: tries' ends still unrecorded are given up. */
@@ -135,46 +198,95 @@ export class WebhookDeliverer {
     return this.#tries.size;
   }
 
+  /** Tries in flight now to one endpoint. */
+  inFlightTo(endpointId: string): number {
+    const slot = this.#endpoints.get(endpointId);
+    return slot ? slot.busy : 0;
+  }
+
   /**
    * The deliver_webhook job: claims the message and starts its try in the background. Resolves
    * once the try is started (or there is none to make); rejects only if the database stays out
-   * of reach, so that graphile-worker runs the job again.
+   * of reach, so that graphile-worker runs the job again. `endpointId`: the message's, when the
+   * job names it.
    */
-  async deliver(messageId: string): Promise<Delivery> {
-    const { db, config } = this.#options;
+  async deliver(messageId: string, endpointId?: string): Promise<Delivery> {
+    const { db } = this.#options;
+    endpointId ??= await this.#db(() => findMessageEndpoint(db, messageId));
+    if (endpointId === undefined) return 'nothing';
+    const id = endpointId;
     if (this.#stopping) {
       // Another worker takes it (or this one, started again).
-      await this.#db(() => addDeliveryJob(db, messageId, 0));
+      await this.#db(() => addDeliveryJob(db, messageId, id, 0));
       return 'deferred';
     }
-    const encryptionKeys = config.secretEncryptionKeys;
-    if (encryptionKeys.length === 0) {
-      if (!this.#toldNoKey) {
-        this.#toldNoKey = true;
-        this.#log.error('SECRET_ENCRYPTION_KEY is not set in this worker: webhooks cannot be signed; their messages wait until it is');
-      }
-      await this.#db(() => addDeliveryJob(db, messageId, NO_KEY_RETRY_MS));
+    const encryptionKeys = this.#encryptionKeys();
+    if (!encryptionKeys) {
+      await this.#db(() => addDeliveryJob(db, messageId, id, NO_KEY_RETRY_MS));
       return 'deferred';
     }
-    if (this.#tries.size + this.#claims.size >= config.webhooks.maxInFlight) {
-      await this.#db(() => addDeliveryJob(db, messageId, BUSY_RETRY_MS));
-      return 'deferred';
+    const slot = this.#slot(id);
+    if (this.#room(slot) < 1) {
+      return this.#park(slot, messageId, this.#workerRoom() < 1 ? 'worker_busy' : 'endpoint_busy');
     }
-    const claiming = this.#db(() => claimMessage(db, messageId, this.workerId));
-    this.#claims.add(claiming);
-    let claim: Awaited<typeof claiming>;
+    let claim: Claim;
     try {
-      claim = await claiming;
-    } finally {
-      this.#claims.delete(claiming);
+      claim = await this.#holding(slot, 1, () => claimMessage(db, messageId, this.workerId, this.#probeMs));
+    } catch (error) {
+      this.#tidy(slot);
+      throw error;
     }
-    if (claim.kind === 'abandoned') {
-      this.#log.info({ messageId }, 'webhook message abandoned: its endpoint is disabled');
-      return 'abandoned';
+    switch (claim.kind) {
+      case 'claimed':
+        this.#fly(claim.message, encryptionKeys, slot, claim.probe);
+        return 'started';
+      case 'paused':
+        this.#tidy(slot);
+        this.#options.metrics.webhookDeferrals.inc({ reason: 'endpoint_backing_off' });
+        // Its endpoint's wake, when the backoff lets a try start.
+        await this.#db(() => scheduleWake(db, { endpointId: id, delayMs: 0, deferrals: 0, advance: true }));
+        return 'deferred';
+      case 'abandoned':
+        this.#tidy(slot);
+        this.#log.info({ messageId }, 'webhook message abandoned: its endpoint is disabled');
+        return 'abandoned';
+      case 'nothing':
+        this.#tidy(slot);
+        return 'nothing';
     }
-    if (claim.kind === 'nothing') return 'nothing';
-    this.#fly(claim.message, encryptionKeys);
-    return 'started';
+  }
+
+  /**
+   * The wake_webhook_endpoint job: claims the endpoint's waiting messages as room allows, starts
+   * their tries, and adds the job again while some still wait (`deferrals`: wakes in a row before
+   * this one that found no room for all).
+   */
+  async wake(endpointId: string, deferrals: number): Promise<Delivery> {
+    const { db } = this.#options;
+    const again = (delayMs: number, next: number, advance = false) =>
+      this.#db(() => scheduleWake(db, { endpointId, delayMs, deferrals: next, advance }));
+    if (this.#stopping) {
+      await again(0, deferrals);
+      return 'deferred';
+    }
+    if (!this.#encryptionKeys()) {
+      await again(NO_KEY_RETRY_MS, deferrals);
+      return 'deferred';
+    }
+    const slot = this.#slot(endpointId);
+    if (this.#room(slot) < 1) {
+      // A try of this process ending takes them, if another worker's wake does not first.
+      this.#setWaiting(slot, true);
+      await again(wakeDelay(deferrals + 1), deferrals + 1);
+      return 'deferred';
+    }
+    const claimed = await this.#claimWaiting(slot);
+    // The others wait for the probe's end, or the backoff's.
+    if (claimed.backingOff) await again(0, 0, true);
+    else if (claimed.full) await again(wakeDelay(deferrals + 1), deferrals + 1);
+    if (claimed.started > 0) return 'started';
+    if (claimed.abandoned > 0) return 'abandoned';
+    return claimed.backingOff || claimed.full ? 'deferred' : 'nothing';
   }
 
   /**
@@ -205,18 +317,169 @@ export class WebhookDeliverer {
     await this.#agent.destroy();
   }
 
-  #fly(message: ClaimedMessage, encryptionKeys: readonly Buffer[]): void {
+  /** The keys that decrypt the endpoints' secrets; undefined (said once) when there are none. */
+  #encryptionKeys(): readonly Buffer[] | undefined {
+    const keys = this.#options.config.secretEncryptionKeys;
+    if (keys.length > 0) return keys;
+    if (!this.#toldNoKey) {
+      this.#toldNoKey = true;
+      this.#log.error('SECRET_ENCRYPTION_KEY is not set in this worker: webhooks cannot be signed; their messages wait until it is');
+    }
+    return undefined;
+  }
+
+  /** How long a probe keeps the other tries off its endpoint. */
+  get #probeMs(): number {
+    return this.#options.config.webhooks.timeoutMs + PROBE_MARGIN_MS;
+  }
+
+  #slot(endpointId: string): EndpointSlot {
+    let slot = this.#endpoints.get(endpointId);
+    if (!slot) {
+      slot = { id: endpointId, busy: 0, waiting: false, pulling: undefined, again: false };
+      this.#endpoints.set(endpointId, slot);
+    }
+    return slot;
+  }
+
+  /** Forgets an endpoint this process has nothing of. */
+  #tidy(slot: EndpointSlot): void {
+    if (slot.busy === 0 && !slot.waiting && !slot.pulling) this.#endpoints.delete(slot.id);
+  }
+
+  #setWaiting(slot: EndpointSlot, waiting: boolean): void {
+    slot.waiting = waiting;
+    if (waiting) this.#waiting.add(slot);
+    else this.#waiting.delete(slot);
+  }
+
+  /** Tries this process may start now, whatever their endpoints. */
+  #workerRoom(): number {
+    return this.#options.config.webhooks.maxInFlight - this.#tries.size - this.#held;
+  }
+
+  /** Tries this process may start now to the endpoint. */
+  #room(slot: EndpointSlot): number {
+    return Math.min(this.#workerRoom(), this.#options.config.webhooks.maxInFlightPerEndpoint - slot.busy);
+  }
+
+  /** Runs a claim, holding `room` of the endpoint's (and the process's) room while it runs. */
+  async #holding<T>(slot: EndpointSlot, room: number, claim: () => Promise<T>): Promise<T> {
+    slot.busy += room;
+    this.#held += room;
+    const claiming = this.#db(claim);
+    this.#claims.add(claiming);
+    try {
+      return await claiming;
+    } finally {
+      this.#claims.delete(claiming);
+      slot.busy -= room;
+      this.#held -= room;
+    }
+  }
+
+  /**
+   * No room for the message here: it waits for its endpoint's wake (added if none is coming),
+   * and for room made here. Its job ends.
+   */
+  async #park(slot: EndpointSlot, messageId: string, reason: DeferralReason): Promise<Delivery> {
+    // (before the statement: a try ending meanwhile takes it)
+    this.#setWaiting(slot, true);
+    const waits = await this.#db(() =>
+      scheduleWake(this.#options.db, { endpointId: slot.id, delayMs: wakeDelay(0), deferrals: 0, messageId }),
+    );
+    if (!waits) return 'nothing';
+    this.#options.metrics.webhookDeferrals.inc({ reason });
+    return 'deferred';
+  }
+
+  /**
+   * Claims the endpoint's waiting messages, as many as there is room for, and starts their tries.
+   * full: they took all the room (more may wait). backingOff: the endpoint backs off (DueClaim).
+   */
+  async #claimWaiting(slot: EndpointSlot): Promise<{ started: number; abandoned: number; full: boolean; backingOff: boolean }> {
+    const room = this.#room(slot);
+    if (room < 1) return { started: 0, abandoned: 0, full: true, backingOff: false };
+    const encryptionKeys = this.#encryptionKeys();
+    if (!encryptionKeys) return { started: 0, abandoned: 0, full: false, backingOff: false };
+    let claim: DueClaim;
+    try {
+      claim = await this.#holding(slot, room, () => claimDue(this.#options.db, slot.id, this.workerId, room, this.#probeMs));
+    } catch (error) {
+      this.#tidy(slot);
+      throw error;
+    }
+    for (const { message, probe } of claim.messages) this.#fly(message, encryptionKeys, slot, probe);
+    if (claim.abandoned > 0) {
+      this.#log.info({ endpointId: slot.id, messages: claim.abandoned }, 'webhook messages abandoned: their endpoint is disabled');
+    }
+    const full = claim.messages.length + claim.abandoned >= room;
+    this.#setWaiting(slot, full && !claim.backingOff);
+    this.#tidy(slot);
+    return { started: claim.messages.length, abandoned: claim.abandoned, full, backingOff: claim.backingOff };
+  }
+
+  /**
+   * Offers the room made here to the endpoint's waiting messages: claims them while there is
+   * room and some wait, one claim at a time per endpoint.
+   */
+  #pull(slot: EndpointSlot): void {
+    if (slot.pulling) {
+      slot.again = true;
+      return;
+    }
+    slot.again = false;
+    const pulling: Promise<void> = (async () => {
+      while (slot.waiting && !this.#stopping && this.#room(slot) >= 1) {
+        slot.again = false;
+        const { backingOff } = await this.#claimWaiting(slot);
+        // The others wait for its wake, when the backoff lets a try start.
+        if (backingOff) {
+          await this.#db(() => scheduleWake(this.#options.db, { endpointId: slot.id, delayMs: 0, deferrals: 0, advance: true }));
+        }
+      }
+    })()
+      .catch((error: unknown) => {
+        // Its wake job comes back for them.
+        this.#log.warn({ endpointId: slot.id, err: errorSummary(error) }, 'could not claim waiting webhook messages');
+        slot.again = false;
+      })
+      .finally(() => {
+        this.#claims.delete(pulling);
+        slot.pulling = undefined;
+        if (slot.again) this.#pull(slot);
+        else this.#tidy(slot);
+      });
+    slot.pulling = pulling;
+    this.#claims.add(pulling);
+  }
+
+  /** A try of the endpoint ended here: its room goes to its waiting messages, then to other endpoints'. */
+  #roomMade(slot: EndpointSlot): void {
+    if (this.#stopping) return;
+    if (slot.waiting) this.#pull(slot);
+    for (const other of this.#waiting) {
+      if (this.#workerRoom() < 1) break;
+      if (other !== slot && !other.pulling && this.#room(other) >= 1) this.#pull(other);
+    }
+  }
+
+  #fly(message: ClaimedMessage, encryptionKeys: readonly Buffer[], slot: EndpointSlot, probe: boolean): void {
     const controller = new AbortController();
     const timer = setTimeout(() => controller.abort(ABORTED_BY_TIMEOUT), this.#options.config.webhooks.timeoutMs);
-    const done = this.#try(message, encryptionKeys, controller.signal).finally(() => {
+    slot.busy++;
+    const done = this.#try(message, encryptionKeys, controller.signal, probe, slot).finally(() => {
       clearTimeout(timer);
       this.#tries.delete(controller);
+      slot.busy--;
+      this.#roomMade(slot);
+      this.#tidy(slot);
     });
     this.#tries.set(controller, { controller, done });
   }
 
   /** One try: send, then record how it went. Never rejects. */
-  async #try(message: ClaimedMessage, encryptionKeys: readonly Buffer[], signal: AbortSignal): Promise<void> {
+  async #try(message: ClaimedMessage, encryptionKeys: readonly Buffer[], signal: AbortSignal, probe: boolean, slot: EndpointSlot): Promise<void> {
     const begun = performance.now();
     let answer: Answer;
     try {
@@ -225,11 +488,11 @@ export class WebhookDeliverer {
       // A bug on our side (#send classifies every failure it knows): the try still ends, and the
       // message is retried on the schedule.
       this.#log.error({ messageId: message.id, err: errorSummary(error) }, 'webhook try failed unexpectedly');
-      answer = { kind: 'failed', httpStatus: null, error: 'the delivery could not be prepared' };
+      answer = { kind: 'failed', httpStatus: null, error: 'the delivery could not be prepared', timedOut: undefined };
     }
     const durationMs = Math.round(performance.now() - begun);
     if (answer.kind === 'failed' && signal.reason === ABORTED_BY_SHUTDOWN) {
-      answer = { kind: 'failed', httpStatus: null, error: 'the worker shut down during the try', retryAtOnce: true };
+      answer = { kind: 'failed', httpStatus: null, error: 'the worker shut down during the try', retryAtOnce: true, timedOut: undefined };
     }
     const outcome = answer.kind === 'delivered' ? 'succeeded' : answer.kind === 'gone' ? 'disabled' : 'failed';
     this.#options.metrics.webhookDeliveries.inc({ outcome });
@@ -241,6 +504,7 @@ export class WebhookDeliverer {
       httpStatus: answer.httpStatus,
       error: answer.kind === 'delivered' ? null : answer.kind === 'gone' ? 'HTTP 410 Gone: the endpoint is disabled' : answer.error,
       durationMs,
+      timedOut: answer.kind === 'failed' ? answer.timedOut : false,
     };
     if (answer.kind === 'failed') {
       // A try cut short by our own shutdown is not the endpoint's failure: it is made again at once.
@@ -248,12 +512,14 @@ export class WebhookDeliverer {
         ? 0
         : nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.tries, answer.retryAfterMs);
     }
-    const context = { messageId: message.id, endpointId: message.endpoint_id, try: message.tries, httpStatus: answer.httpStatus, durationMs };
+    const context = { messageId: message.id, endpointId: message.endpoint_id, try: message.tries, httpStatus: answer.httpStatus, durationMs, probe };
     try {
-      const status = await this.#db(() => finishTry(this.#options.db, end), { untilAbandoned: true });
+      const status = await this.#db(() => finishTry(this.#options.db, end, ENDPOINT_BACKOFF), { untilAbandoned: true });
       if (answer.kind === 'delivered') this.#log.debug({ ...context, stale: !status }, 'webhook delivered');
       else if (answer.kind === 'gone') this.#log.warn({ ...context, stale: !status }, 'webhook endpoint answered 410 Gone: disabled');
       else this.#log.info({ ...context, error: end.error, retryInMs: end.retryInMs, status: status ?? 'stale' }, 'webhook try failed');
+      // The endpoint answered its probe: its backoff is over, and its waiting messages go now.
+      if (probe && end.timedOut === false) this.#setWaiting(slot, true);
     } catch (error) {
       // Given up at shutdown, or a failure no retry mends: the message stays delivering under
       // this worker's id, and is handed back by a sweep once this worker is gone (as when the
@@ -263,6 +529,9 @@ export class WebhookDeliverer {
   }
 
   async #send(message: ClaimedMessage, encryptionKeys: readonly Buffer[], signal: AbortSignal): Promise<Answer> {
+    // Checked when the endpoint was added, and again at each try: the row may have been changed since.
+    const refusal = this.#urlRefusal(message.url);
+    if (refusal) return { kind: 'failed', httpStatus: null, error: refusal, timedOut: false };
     let secrets: string[];
     try {
       secrets = [message.secret_ciphertext, message.previous_secret_ciphertext]
@@ -273,6 +542,7 @@ export class WebhookDeliverer {
         kind: 'failed',
         httpStatus: null,
         error: "the endpoint's secret could not be decrypted: no key of SECRET_ENCRYPTION_KEY(S) is the one it was stored with",
+        timedOut: undefined,
       };
     }
     const body = eventBody(message);
@@ -294,7 +564,7 @@ export class WebhookDeliverer {
         dispatcher: this.#agent,
       });
     } catch (error) {
-      return { kind: 'failed', httpStatus: null, error: this.#failureOf(error, signal) };
+      return { kind: 'failed', httpStatus: null, ...this.#failureOf(error, signal) };
     }
     const status = response.statusCode;
     // Read and dropped, so that the connection can carry the next try.
@@ -307,39 +577,51 @@ export class WebhookDeliverer {
       httpStatus: status,
       error: `HTTP ${status}`,
       retryAfterMs: parseRetryAfter((Array.isArray(retryAfter) ? retryAfter[0] : retryAfter) ?? null),
+      timedOut: false,
     };
   }
 
-  /** Why a try got no answer, in our words. */
-  #failureOf(error: unknown, signal: AbortSignal): string {
+  /** Why no try may be made to this URL, in our words; undefined when one may. */
+  #urlRefusal(text: string): string | undefined {
+    const url = URL.parse(text);
+    if (url === null) return 'the endpoint URL is not a valid absolute URL';
+    if (this.#options.config.webhooks.allowPrivate) {
+      return isAllowedScheme(url, true) ? undefined : `the endpoint URL must be https:// or http:// (it is ${url.protocol})`;
+    }
+    return isAllowedScheme(url, false) ? undefined : `the endpoint URL must be https:// (it is ${url.protocol}); WEBHOOK_ALLOW_PRIVATE is off`;
+  }
+
+  /** Why a try got no answer, in our words; timedOut: whether it waited for one until the timeout. */
+  #failureOf(error: unknown, signal: AbortSignal): { error: string; timedOut: boolean | undefined } {
     if (signal.aborted) {
       return signal.reason === ABORTED_BY_TIMEOUT
-        ? `no answer within ${this.#options.config.webhooks.timeoutMs / 1000} s`
-        : 'the try was aborted';
+        ? { error: `no answer within ${this.#options.config.webhooks.timeoutMs / 1000} s`, timedOut: true }
+        : { error: 'the try was aborted', timedOut: undefined };
     }
     const forbidden = findCause(error, (cause) => cause instanceof ForbiddenAddressError);
-    if (forbidden) return (forbidden as ForbiddenAddressError).message;
+    if (forbidden) return { error: (forbidden as ForbiddenAddressError).message, timedOut: false };
     const code = codeOf(error);
+    const said = (text: string) => ({ error: text, timedOut: false });
     switch (code) {
       case 'ECONNREFUSED':
-        return 'connection refused';
+        return said('connection refused');
       case 'ECONNRESET':
       case 'UND_ERR_SOCKET':
-        return 'the connection was closed before an answer';
+        return said('the connection was closed before an answer');
       case 'ENOTFOUND':
-        return 'the host name does not resolve';
+        return said('the host name does not resolve');
       case 'EAI_AGAIN':
-        return 'the host name could not be resolved (DNS lookup failed)';
+        return said('the host name could not be resolved (DNS lookup failed)');
       case 'UND_ERR_CONNECT_TIMEOUT':
       case 'ETIMEDOUT':
-        return 'no connection within the timeout';
+        return { error: 'no connection within the timeout', timedOut: true };
       case 'EHOSTUNREACH':
       case 'ENETUNREACH':
-        return 'the host is unreachable';
+        return said('the host is unreachable');
     }
-    if (code && /^(ERR_TLS_|ERR_SSL_|CERT_|UNABLE_TO_|DEPTH_ZERO_|SELF_SIGNED_)/.test(code)) return `TLS failed: ${code}`;
+    if (code && /^(ERR_TLS_|ERR_SSL_|CERT_|UNABLE_TO_|DEPTH_ZERO_|SELF_SIGNED_)/.test(code)) return said(`TLS failed: ${code}`);
     this.#log.warn({ err: errorSummary(error) }, 'webhook try failed unexpectedly');
-    return `connection failed: ${code ?? 'unknown error'}`;
+    return said(`connection failed: ${code ?? 'unknown error'}`);
   }
 
   /** Runs a statement, retrying while the database is unavailable: for OUTAGE_PATIENCE_MS, or `untilAbandoned`. */

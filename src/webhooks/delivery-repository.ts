@@ -1,12 +1,13 @@
-// SQL of the worker's side of webhooks: claiming a message for a try, recording how the try
-// ended, and handing back the tries of workers that died. Each function is one statement, so
-// one round trip and its own transaction; every retry's deliver_webhook job is added in the
-// statement that schedules it.
-import { sql, type Selectable } from 'kysely';
+// SQL of the worker's side of webhooks: claiming messages for tries (one by its job, or an
+// endpoint's waiting ones by its wake job), scheduling an endpoint's wake, recording how a try
+// ended (and what it says of its endpoint), and handing back the tries of workers that died.
+// Each function is one statement, so one round trip and its own transaction; every retry's
+// deliver_webhook job is added in the statement that schedules it.
+import { sql, type RawBuilder, type Selectable } from 'kysely';
 import type { WebhookEndpointsTable, WebhookEvent, WebhookMessagesTable, WebhookMessageStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { RecordRow } from '../requests/record.ts';
-import { DELIVER_WEBHOOK } from './jobs.ts';
+import { DELIVER_WEBHOOK, WAKE_WEBHOOK_ENDPOINT, wakeJobKey } from './jobs.ts';
 
 /** A message claimed for a try: what the try sends, and where. */
 export interface ClaimedMessage {
@@ -26,34 +27,40 @@ export interface ClaimedMessage {
 }
 
 export type Claim =
-  | { kind: 'claimed'; message: ClaimedMessage }
+  /** probe: the endpoint backs off, and this is its one try at a time. */
+  | { kind: 'claimed'; message: ClaimedMessage; probe: boolean }
   /** Its endpoint was disabled (410): nothing is sent. */
   | { kind: 'abandoned' }
+  /** Its endpoint backs off, and no try may start on it now: the message waits. */
+  | { kind: 'paused' }
   /** Not pending or not due: delivered, given up, under way elsewhere, or removed with its endpoint. */
   | { kind: 'nothing' };
 
+/** What a claim returns of each message, and of its request (the record of a lookup). */
+type ClaimedRow = Pick<Selectable<WebhookMessagesTable>, 'id' | 'status' | 'endpoint_id' | 'event_type' | 'created_at' | 'tries'> &
+  Pick<Selectable<WebhookEndpointsTable>, 'url' | 'secret_ciphertext' | 'previous_secret_ciphertext'> & {
+    [Column in keyof RecordRow as `request_${Column}`]: RecordRow[Column];
+  };
+
 /**
- * Claims the message for a try by `workerId`, if it is pending and due: delivering, tries + 1,
- * and a running row in webhook_deliveries for the try. A message whose endpoint is disabled is
- * abandoned instead.
+ * The tail of a claim, after the CTEs `target` (the messages to claim: their id and endpoint_id,
+ * locked), `endpoint` (their one endpoint's row as the claim read it) and `probe`: the messages
+ * become delivering, tries + 1, with a running row in webhook_deliveries for the try (abandoned
+ * instead when the endpoint is disabled), if the endpoint is disabled, does not back off, or this
+ * claim is its probe. The CTE `claimed_rows` returns them with their requests.
  */
-export async function claimMessage(db: Db, messageId: string, workerId: string): Promise<Claim> {
-  const { rows } = await sql<
-    Pick<Selectable<WebhookMessagesTable>, 'id' | 'status' | 'endpoint_id' | 'event_type' | 'created_at' | 'tries'> &
-      Pick<Selectable<WebhookEndpointsTable>, 'url' | 'secret_ciphertext' | 'previous_secret_ciphertext'> & {
-        [Column in keyof RecordRow as `request_${Column}`]: RecordRow[Column];
-      }
-  >`
-    with claimed as (
+function claimTargets(workerId: string): RawBuilder<unknown> {
+  return sql`
+    claimed as (
       update gateway.webhook_messages as messages
       set status = case when endpoints.disabled_at is null then 'delivering' else 'abandoned' end,
           tries = messages.tries + case when endpoints.disabled_at is null then 1 else 0 end,
           worker_id = case when endpoints.disabled_at is null then ${workerId} end,
           next_try_at = null,
           finished_at = case when endpoints.disabled_at is null then null else now() end
-      from gateway.webhook_endpoints as endpoints
-      where messages.id = ${messageId} and endpoints.id = messages.endpoint_id
-        and messages.status = 'pending' and messages.next_try_at <= now()
+      from target, endpoint, gateway.webhook_endpoints as endpoints
+      where messages.id = target.id and endpoint.id = target.endpoint_id and endpoints.id = target.endpoint_id
+        and (endpoint.disabled_at is not null or endpoint.backoff_ms is null or exists (select from probe))
       returning messages.id, messages.status, messages.endpoint_id, messages.request_id, messages.event_type,
                 messages.created_at, messages.tries, endpoints.url, endpoints.secret_ciphertext,
                 case when endpoints.previous_secret_expires_at > now() then endpoints.previous_secret_ciphertext end
@@ -61,38 +68,182 @@ export async function claimMessage(db: Db, messageId: string, workerId: string):
     ), tried as (
       insert into gateway.webhook_deliveries (message_id, try_number)
       select id, tries from claimed where status = 'delivering'
-    )
-    select claimed.*, requests.status as request_status, requests.attempts as request_attempts,
-           requests.created_at as request_created_at, requests.updated_at as request_updated_at,
-           requests.last_error_code as request_last_error_code, requests.result::text as request_result
-    from claimed
-    join gateway.requests on requests.id = claimed.request_id
-  `.execute(db);
-  const row = rows[0];
-  if (!row) return { kind: 'nothing' };
-  if (row.status !== 'delivering') return { kind: 'abandoned' };
+    ), claimed_rows as (
+      select claimed.*, requests.status as request_status, requests.attempts as request_attempts,
+             requests.created_at as request_created_at, requests.updated_at as request_updated_at,
+             requests.last_error_code as request_last_error_code, requests.result::text as request_result
+      from claimed
+      join gateway.requests on requests.id = claimed.request_id
+    )`;
+}
+
+/**
+ * The probe of an endpoint that backs off (a CTE, after `target` and `endpoint`): a try starts on
+ * it only once its wait is over, one at a time. The probe pushes paused_until to `probeMs` from
+ * now under the endpoint's row lock, so that a claim at the same moment finds it paused. `probe`
+ * has a row when this claim is the probe.
+ */
+function probeEndpoint(probeMs: number): RawBuilder<unknown> {
+  return sql`
+    probe as (
+      update gateway.webhook_endpoints as endpoints
+      set paused_until = now() + ${probeMs}::float8 * interval '1 millisecond'
+      from endpoint
+      where endpoints.id = endpoint.id and endpoint.disabled_at is null and endpoint.backoff_ms is not null
+        and endpoints.backoff_ms is not null and endpoints.paused_until <= now()
+        and exists (select from target)
+      returning endpoints.id
+    )`;
+}
+
+function claimedMessage(row: ClaimedRow): ClaimedMessage {
   return {
-    kind: 'claimed',
-    message: {
-      id: row.id,
-      endpoint_id: row.endpoint_id,
-      event_type: row.event_type,
-      created_at: row.created_at,
-      tries: row.tries,
-      url: row.url,
-      secret_ciphertext: row.secret_ciphertext,
-      previous_secret_ciphertext: row.previous_secret_ciphertext,
-      request: {
-        id: row.request_id,
-        status: row.request_status,
-        attempts: row.request_attempts,
-        created_at: row.request_created_at,
-        updated_at: row.request_updated_at,
-        last_error_code: row.request_last_error_code,
-        result: row.request_result,
-      },
+    id: row.id,
+    endpoint_id: row.endpoint_id,
+    event_type: row.event_type,
+    created_at: row.created_at,
+    tries: row.tries,
+    url: row.url,
+    secret_ciphertext: row.secret_ciphertext,
+    previous_secret_ciphertext: row.previous_secret_ciphertext,
+    request: {
+      id: row.request_id,
+      status: row.request_status,
+      attempts: row.request_attempts,
+      created_at: row.request_created_at,
+      updated_at: row.request_updated_at,
+      last_error_code: row.request_last_error_code,
+      result: row.request_result,
     },
   };
+}
+
+/**
+ * Claims the message for a try by `workerId`, if it is pending and due: delivering, tries + 1,
+ * and a running row in webhook_deliveries for the try. A message whose endpoint is disabled is
+ * abandoned instead; one whose endpoint backs off stays as it is (paused), unless this try is the
+ * endpoint's probe (`probeMs`: how long the probe keeps others off).
+ */
+export async function claimMessage(db: Db, messageId: string, workerId: string, probeMs: number): Promise<Claim> {
+  const { rows } = await sql<Partial<ClaimedRow> & { waiting: boolean; probe: boolean }>`
+    with target as (
+      select messages.id, messages.endpoint_id
+      from gateway.webhook_messages as messages
+      where messages.id = ${messageId} and messages.status = 'pending' and messages.next_try_at <= now()
+      for update of messages skip locked
+    ), endpoint as (
+      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
+      from gateway.webhook_endpoints as endpoints
+      join target on target.endpoint_id = endpoints.id
+    ), ${probeEndpoint(probeMs)}, ${claimTargets(workerId)}
+    select claimed_rows.*, exists (select from target) as waiting, exists (select from probe) as probe
+    from (select 1) as one
+    left join claimed_rows on true
+  `.execute(db);
+  const row = rows[0];
+  if (!row?.id) return row?.waiting ? { kind: 'paused' } : { kind: 'nothing' };
+  if (row.status !== 'delivering') return { kind: 'abandoned' };
+  return { kind: 'claimed', message: claimedMessage(row as ClaimedRow), probe: row.probe };
+}
+
+/** What a claim of an endpoint's due messages did. */
+export interface DueClaim {
+  /** The messages claimed, oldest due first (abandoned ones, of a disabled endpoint, are not listed). */
+  messages: { message: ClaimedMessage; probe: boolean }[];
+  /** Messages abandoned (the endpoint is disabled). */
+  abandoned: number;
+  /**
+   * The endpoint backs off and some of its messages were due: the claim took its probe, or none
+   * could start (the others wait for the probe's end, or the backoff's).
+   */
+  backingOff: boolean;
+}
+
+/**
+ * Claims up to `limit` of the endpoint's due messages for tries by `workerId`, oldest due first,
+ * as claimMessage claims one: while the endpoint backs off, only its probe, when the wait is over.
+ * Messages locked by another claim at the same moment are passed over.
+ */
+export async function claimDue(db: Db, endpointId: string, workerId: string, limit: number, probeMs: number): Promise<DueClaim> {
+  const { rows } = await sql<Partial<ClaimedRow> & { backing_off: boolean; probe: boolean }>`
+    with endpoint as (
+      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
+      from gateway.webhook_endpoints as endpoints
+      where endpoints.id = ${endpointId}
+    ), target as (
+      select messages.id, messages.endpoint_id
+      from gateway.webhook_messages as messages
+      where messages.endpoint_id = ${endpointId} and messages.status = 'pending' and messages.next_try_at <= now()
+      order by messages.next_try_at, messages.id
+      -- (backing off: the one that may be its probe)
+      limit (select case when endpoint.backoff_ms is null or endpoint.disabled_at is not null then ${limit}::int else 1 end
+             from endpoint)
+      for update of messages skip locked
+    ), ${probeEndpoint(probeMs)}, ${claimTargets(workerId)}
+    select claimed_rows.*, exists (select from probe) as probe,
+           exists (select from target)
+             and exists (select from endpoint where endpoint.disabled_at is null and endpoint.backoff_ms is not null) as backing_off
+    from (select 1) as one
+    left join claimed_rows on true
+  `.execute(db);
+  const claim: DueClaim = { messages: [], abandoned: 0, backingOff: rows[0]?.backing_off ?? false };
+  for (const row of rows) {
+    if (!row.id) continue;
+    if (row.status === 'delivering') claim.messages.push({ message: claimedMessage(row as ClaimedRow), probe: row.probe });
+    else claim.abandoned++;
+  }
+  return claim;
+}
+
+/**
+ * Makes sure the endpoint's wake_webhook_endpoint job will run, if some of its messages wait
+ * (pending and due; with `messageId`, if that one does): due in `delayMs`, and not before the
+ * endpoint's backoff lets a try start. A job already waiting to run is left as it is, unless
+ * `advance` and it is due later than that. (A job under way is not counted: it may have looked
+ * before this message began to wait.) Returns whether messages wait.
+ */
+export async function scheduleWake(
+  db: Db,
+  wake: { endpointId: string; delayMs: number; deferrals: number; advance?: boolean; messageId?: string },
+): Promise<boolean> {
+  const key = wakeJobKey(wake.endpointId);
+  const { rows } = await sql<{ waiting: boolean }>`
+    with waiting as (
+      select exists (
+        select from gateway.webhook_messages as messages
+        where messages.endpoint_id = ${wake.endpointId} and messages.status = 'pending' and messages.next_try_at <= now()
+          ${wake.messageId === undefined ? sql`` : sql`and messages.id = ${wake.messageId}`}
+      ) as waiting
+    ), due as (
+      select greatest(now() + ${wake.delayMs}::float8 * interval '1 millisecond', endpoints.paused_until) as run_at
+      from gateway.webhook_endpoints as endpoints, waiting
+      where endpoints.id = ${wake.endpointId} and endpoints.disabled_at is null and waiting.waiting
+    ), scheduled as (
+      select jobs.run_at
+      from graphile_worker.jobs
+      where jobs.key = ${key} and jobs.locked_at is null and jobs.attempts < jobs.max_attempts
+    ), wake as (
+      select due.run_at from due
+      where not exists (select from scheduled)
+         or (${wake.advance ?? false}::boolean and exists (select from scheduled where scheduled.run_at > due.run_at))
+    ), queued as (
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${WAKE_WEBHOOK_ENDPOINT}, json_build_object('endpoint_id', ${wake.endpointId}::text, 'deferrals', ${wake.deferrals}::int),
+                   null, wake.run_at, null, ${key}, null, null)::graphile_worker.job_spec
+        from wake
+      ))
+      where exists (select from wake)
+    )
+    select waiting.waiting from waiting cross join queued
+  `.execute(db);
+  return rows[0]?.waiting ?? false;
+}
+
+/** The endpoint of a message (for the jobs of schemas before sql/000014.sql, whose payload does not name it). */
+export async function findMessageEndpoint(db: Db, messageId: string): Promise<string | undefined> {
+  const row = await db.selectFrom('webhook_messages').select('endpoint_id').where('id', '=', messageId).executeTakeFirst();
+  return row?.endpoint_id;
 }
 
 /** How a try ended, and so what becomes of its message. */
@@ -110,6 +261,17 @@ export interface TryEnd {
   /** Why it failed, in our words; null when delivered. */
   error: string | null;
   durationMs: number;
+  /**
+   * What the try says of its endpoint: true, no answer within the timeout (it backs off); false,
+   * it ended otherwise (its backoff ends); undefined, nothing (our shutdown cut it short, or our bug).
+   */
+  timedOut: boolean | undefined;
+}
+
+/** The waits of an endpoint that backs off: the first, and the longest (each doubles the one before). */
+export interface EndpointBackoff {
+  minMs: number;
+  maxMs: number;
 }
 
 /**
@@ -118,23 +280,45 @@ export interface TryEnd {
  * spent; or abandoned, its endpoint disabled (by this 410, or meanwhile by another's: then only
  * a 2xx still counts). A 410 also disables the endpoint and abandons its pending messages.
  * Guarded by the message still being delivering this very try: a try that the sweep handed back
- * (its worker presumed dead) changes nothing. Returns the message's new status, or undefined
- * when the try was no longer its own.
+ * (its worker presumed dead) changes nothing of its message. Returns the message's new status,
+ * or undefined when the try was no longer its own.
+ *
+ * The endpoint: a try with no answer in time makes it back off (paused for the first wait of
+ * `backoff`), or, if it was already backing off when the try started (the try was its probe),
+ * doubles its wait; tries that started before the last time-out and time out too change nothing.
+ * A try that ended otherwise ends its backoff.
  */
-export async function finishTry(db: Db, end: TryEnd): Promise<WebhookMessageStatus | undefined> {
+export async function finishTry(db: Db, end: TryEnd, backoff: EndpointBackoff): Promise<WebhookMessageStatus | undefined> {
   const retrying = end.kind === 'failed' && end.retryInMs !== undefined;
+  const gone = end.kind === 'gone';
+  const timedOut = end.timedOut ?? null;
+  const nextBackoff = sql`least(${backoff.maxMs}::int, coalesce(endpoints.backoff_ms * 2, ${backoff.minMs}::int))`;
   const { rows } = await sql<{ status: WebhookMessageStatus | null }>`
     with try_row as (
       update gateway.webhook_deliveries
       set outcome = ${end.kind === 'delivered' ? 'succeeded' : 'failed'}, finished_at = now(),
           http_status = ${end.httpStatus}, error = ${end.error}, duration_ms = ${end.durationMs}
       where message_id = ${end.messageId} and try_number = ${end.tryNumber} and outcome = 'running'
+      returning started_at
+    ), endpoint as (
+      update gateway.webhook_endpoints as endpoints
+      set disabled_at = case when ${gone}::boolean then coalesce(endpoints.disabled_at, now()) else endpoints.disabled_at end,
+          disabled_reason = case when ${gone}::boolean then coalesce(endpoints.disabled_reason, 'it answered 410 Gone')
+                                 else endpoints.disabled_reason end,
+          backoff_ms = case when ${timedOut}::boolean is null then endpoints.backoff_ms
+                            when ${timedOut}::boolean then ${nextBackoff} end,
+          timed_out_at = case when ${timedOut}::boolean is null then endpoints.timed_out_at
+                              when ${timedOut}::boolean then now() end,
+          paused_until = case when ${timedOut}::boolean is null then endpoints.paused_until
+                              when ${timedOut}::boolean then now() + ${nextBackoff} * interval '1 millisecond' end
+      where endpoints.id = ${end.endpointId}
+        and (${gone}::boolean
+             or (${timedOut}::boolean and (endpoints.timed_out_at is null
+                                           or endpoints.timed_out_at < (select started_at from try_row)))
+             or (not ${timedOut}::boolean and endpoints.backoff_ms is not null))
+      returning endpoints.id
     ), disabled as (
-      update gateway.webhook_endpoints
-      set disabled_at = coalesce(disabled_at, now()),
-          disabled_reason = coalesce(disabled_reason, 'it answered 410 Gone')
-      where id = ${end.endpointId} and ${end.kind === 'gone'}::boolean
-      returning id
+      select endpoint.id from endpoint where ${gone}::boolean
     ), message as (
       update gateway.webhook_messages as messages
       set status = next.status,
@@ -162,8 +346,8 @@ export async function finishTry(db: Db, end: TryEnd): Promise<WebhookMessageStat
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
-        select row(${DELIVER_WEBHOOK}, json_build_object('message_id', message.id), null, message.next_try_at,
-                   null, null, null, null)::graphile_worker.job_spec
+        select row(${DELIVER_WEBHOOK}, json_build_object('message_id', message.id, 'endpoint_id', ${end.endpointId}::text),
+                   null, message.next_try_at, null, null, null, null)::graphile_worker.job_spec
         from message where message.status = 'pending'
       ))
       where exists (select from message where message.status = 'pending')
@@ -176,9 +360,9 @@ export async function finishTry(db: Db, end: TryEnd): Promise<WebhookMessageStat
 }
 
 /** Adds a deliver_webhook job for the message, due in `delayMs`: a try this worker cannot make now. */
-export async function addDeliveryJob(db: Db, messageId: string, delayMs: number): Promise<void> {
+export async function addDeliveryJob(db: Db, messageId: string, endpointId: string, delayMs: number): Promise<void> {
   await sql`
-    select graphile_worker.add_job(${DELIVER_WEBHOOK}, json_build_object('message_id', ${messageId}::text),
+    select graphile_worker.add_job(${DELIVER_WEBHOOK}, json_build_object('message_id', ${messageId}::text, 'endpoint_id', ${endpointId}::text),
                                    run_at => now() + ${delayMs}::float8 * interval '1 millisecond')
   `.execute(db);
 }
@@ -218,11 +402,11 @@ export async function recoverLostDeliveries(db: Db, deadAfterMs: number, live: r
           worker_id = null
       from lost, gateway.webhook_endpoints as endpoints
       where messages.id = lost.id and endpoints.id = messages.endpoint_id
-      returning messages.id, messages.status
+      returning messages.id, messages.endpoint_id, messages.status
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
-        select row(${DELIVER_WEBHOOK}, json_build_object('message_id', recovered.id), null, null,
+        select row(${DELIVER_WEBHOOK}, json_build_object('message_id', recovered.id, 'endpoint_id', recovered.endpoint_id), null, null,
                    null, null, null, null)::graphile_worker.job_spec
         from recovered where recovered.status = 'pending'
       ))

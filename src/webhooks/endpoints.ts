@@ -10,7 +10,7 @@ import { newWebhookEndpointId } from '../ids.ts';
 import { ensureProject } from '../keys/repository.ts';
 import { encryptSecret } from '../keys/secrets.ts';
 import { MissingEncryptionKeyError, ProjectName } from '../keys/service.ts';
-import { ipLiteralOf, isForbiddenAddress } from './address.ts';
+import { ipLiteralOf, isAllowedScheme, isForbiddenAddress } from './address.ts';
 import * as repository from './repository.ts';
 
 const WEBHOOK_EVENTS: readonly WebhookEvent[] = ['request.completed', 'request.failed', 'request.cancelled'];
@@ -48,7 +48,7 @@ export interface RotatedSecret {
 
 const MAX_URL_LENGTH = 2048;
 
-/** An endpoint URL, normalised; names are checked when a delivery connects (address.ts). */
+/** An endpoint URL, normalised; each delivery checks its scheme again, and names when it connects (address.ts). */
 export function endpointUrl(allowPrivate: boolean) {
   return v.pipe(
     v.string(),
@@ -57,13 +57,13 @@ export function endpointUrl(allowPrivate: boolean) {
     v.check((text) => URL.canParse(text), 'The URL is not a valid absolute URL.'),
     v.transform((text) => new URL(text)),
     v.check(
-      (url) => url.protocol === 'https:' || (allowPrivate && url.protocol === 'http:'),
+      (url) => isAllowedScheme(url, allowPrivate),
       allowPrivate ? 'The URL must be https:// or http://.' : 'The URL must be https:// (http:// only with WEBHOOK_ALLOW_PRIVATE=true).',
     ),
     v.check((url) => url.username === '' && url.password === '', 'The URL may not hold a user name or password.'),
     v.check(
       (url) => allowPrivate || !isForbiddenAddress(ipLiteralOf(url) ?? ''),
-      'The URL is a loopback, private or link-local address; those are refused unless WEBHOOK_ALLOW_PRIVATE=true.',
+      "The URL's host is not a public address (loopback, private, link-local or otherwise special-purpose); those are refused unless WEBHOOK_ALLOW_PRIVATE=true.",
     ),
     v.transform((url) => url.href),
   );

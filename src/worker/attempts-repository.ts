@@ -1,12 +1,13 @@
 // SQL of the worker's side of requests: recording how attempts ended (they are started by
-// gateway.claim_lane, see lanes/repository.ts), finding those whose worker died (the
-// supervisor's sweep), and what the dispatcher and the runner ask of a request: has it ended,
-// and in which lane does it wait.
+// gateway.claim_queue, see lanes/repository.ts), and with them what the lanes learn (pauses,
+// tokens, health); finding those whose worker died (the supervisor's sweep); and what the
+// dispatcher and the runner ask of a request: has it ended, and in which queue does it wait.
 import { sql, type Selectable } from 'kysely';
 import type { RequestAttemptsTable, RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
-import { DISPATCH_LANE } from '../lanes/jobs.ts';
-import type { Usage } from '../upstream/outcome.ts';
+import { DISPATCH_QUEUE } from '../lanes/jobs.ts';
+import type { LaneHealthRules } from '../lanes/health.ts';
+import type { Fault, Usage } from '../upstream/outcome.ts';
 
 export interface AttemptReport {
   upstreamStatus: number | null;
@@ -15,34 +16,94 @@ export interface AttemptReport {
 
 export interface AttemptFailure extends AttemptReport {
   code: string;
+  fault: Fault;
   detail: string;
 }
 
-/** How an attempt ended, and so what becomes of its request. */
+/** How an attempt ended. */
 export type Finish =
-  | ({ kind: 'completed'; id: string; attempt: number; result: string; usage: Usage } & AttemptReport)
+  /** A success: `laneId` is the lane the attempt ran on. */
+  | ({ kind: 'completed'; id: string; attempt: number; laneId: string; result: string; usage: Usage } & AttemptReport)
+  /** A failure no retry mends: the request fails. */
   | ({ kind: 'failed'; id: string; attempt: number; pauseMs?: number | undefined } & AttemptFailure)
-  | ({ kind: 'retrying'; id: string; attempt: number; delayMs: number; pauseMs?: number | undefined } & AttemptFailure);
+  /**
+   * A failure worth another attempt: the request is retried, unless the attempt is charged to it
+   * and its charged attempts reach MAX_ATTEMPTS. A charged retry waits `delayMs`, one not charged
+   * `unchargedDelayMs` (its backoff by attempts, as after a 429); but one whose lane is open is
+   * due at once: the lane's probes hold it back, and let it go as soon as the lane closes.
+   */
+  | ({ kind: 'retry'; id: string; attempt: number; delayMs: number; unchargedDelayMs: number; pauseMs?: number | undefined } &
+      AttemptFailure);
+
+/** What became of a finish: null when its attempt was no longer the request's running one (nothing changed). */
+export type Finished = { status: 'completed' | 'failed' | 'retrying'; charged: boolean | null } | null;
+
+/** A lane whose health a group of finishes changed. */
+export interface LaneChange {
+  laneId: string;
+  upstream: string;
+  model: string;
+  from: 'healthy' | 'open' | 'probing';
+  to: 'healthy' | 'open' | 'probing';
+  /** The last upstream failure it saw. */
+  lastError: string | null;
+}
+
+export interface FinishSettings {
+  maxAttempts: number;
+  health: LaneHealthRules;
+}
 
 /**
- * Records how attempts ended, a group at a time, in one statement: each attempt row, and its
- * request: completed (with its usage), failed, or retrying, with a dispatch of its lane due when
- * the retry is. Each is guarded twice: the attempt must still be running, and the request still
- * processing this very attempt; so a worker presumed dead that comes back late changes nothing.
- * The lanes learn what the attempts taught: an upstream 429 pauses its lane (pauseMs), and a
- * completion corrects the lane's token allowance from the estimate to the usage.
- * Returns, per finish, whether it was applied.
+ * Records how attempts ended, a group at a time, in one statement: each attempt row, its
+ * request (completed with its usage, failed, or retrying with a dispatch of its queue due when
+ * the retry is), and the lanes they ran on. Each is guarded twice: the attempt must still be
+ * running, and the request still processing this very attempt; so a worker presumed dead that
+ * comes back late changes nothing.
+ *
+ * Whose fault a failure is decides whether it is charged toward MAX_ATTEMPTS: the request's own
+ * faults, yes; a 429, never; the provider's (fault 'upstream') only while the lane is otherwise
+ * healthy: it is healthy, and either a call of the group succeeded, or the lane's last call did
+ * (no failure since: failure_streak 0) and no other call of the group failed. So a request that
+ * fails where others succeed (poison) is charged each time and ends, while one that fails with
+ * nothing succeeding between its attempts is charged once and then waits: the provider may be
+ * down with nobody else calling it. In test mode every failure is charged: the simulator fails
+ * only as the request asks it to.
+ *
+ * What the lanes learn: a 429 pauses its lane (pauseMs; in live mode only: test mode's one lane
+ * is every project's, and its retry waits on its own); a completion corrects the token
+ * allowance from the estimate to the usage, and an attempt without usage gives its estimate
+ * back (a call counts at most a minute of its lane's tokens_per_minute either way); the
+ * provider's failures open a lane (a streak of them from different requests, or most of a
+ * minute's calls), a probe that fails keeps it open for a longer interval, and a call that
+ * succeeds closes it. A lane whose health changes gets a dispatch of its queue, now. Test mode's
+ * simulator lane never opens.
  */
-export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promise<boolean[]> {
+export async function finishAttempts(
+  db: Db,
+  finishes: readonly Finish[],
+  settings: FinishSettings,
+): Promise<{ finished: Finished[]; laneChanges: LaneChange[] }> {
+  const completions = finishes.filter((finish) => finish.kind === 'completed');
+  if (completions.length === finishes.length) {
+    const finished = await finishCompletions(db, completions, settings.health);
+    if (finished) return { finished, laneChanges: [] };
+  }
   const column = <T>(pick: (finish: Finish) => T) => finishes.map(pick);
   const failure = (finish: Finish) => (finish.kind === 'completed' ? undefined : finish);
   const usage = (finish: Finish) => (finish.kind === 'completed' ? finish.usage : undefined);
-  const { rows } = await sql<{ ord: string; applied: boolean }>`
+  const rules = settings.health;
+  const { rows } = await sql<{
+    status: 'completed' | 'failed' | 'retrying' | null;
+    charged: boolean | null;
+    lane_changes: { lane_id: string; upstream: string; model: string; from: LaneChange['from']; to: LaneChange['to']; last_error: string | null }[];
+  }>`
     with input as (
       select * from unnest(
         ${column((f) => f.id)}::text[],
         ${column((f) => f.attempt)}::int[],
         ${column((f) => f.kind)}::text[],
+        ${column((f) => failure(f)?.fault ?? null)}::text[],
         ${column((f) => (f.kind === 'completed' ? f.result : null))}::text[],
         ${column((f) => usage(f)?.prompt ?? null)}::int[],
         ${column((f) => usage(f)?.completion ?? null)}::int[],
@@ -51,71 +112,284 @@ export async function finishAttempts(db: Db, finishes: readonly Finish[]): Promi
         ${column((f) => failure(f)?.detail ?? null)}::text[],
         ${column((f) => f.upstreamStatus)}::int[],
         ${column((f) => f.durationMs)}::int[],
-        ${column((f) => (f.kind === 'retrying' ? f.delayMs : null))}::float8[],
+        ${column((f) => (f.kind === 'retry' ? f.delayMs : null))}::float8[],
+        ${column((f) => (f.kind === 'retry' ? f.unchargedDelayMs : null))}::float8[],
         ${column((f) => failure(f)?.pauseMs ?? null)}::float8[]
-      ) with ordinality as t(id, attempt, kind, result, prompt_tokens, completion_tokens, total_tokens, code, detail,
-                              upstream_status, duration_ms, delay_ms, pause_ms, ord)
+      ) with ordinality as t(id, attempt, kind, fault, result, prompt_tokens, completion_tokens, total_tokens, code, detail,
+                              upstream_status, duration_ms, delay_ms, uncharged_delay_ms, pause_ms, ord)
+    ), current as (
+      -- The requests still running these very attempts, and their lanes as they were before.
+      select input.*, requests.mode, requests.charged_attempts, requests.lane_id,
+             coalesce(lanes.health, 'healthy') as health, coalesce(lanes.failure_streak, 0) as failure_streak,
+             lanes.last_failed_request_id, lanes.probe_request_id,
+             -- The provider's failures, in live mode: what a lane's health counts.
+             (requests.mode = 'live' and input.fault = 'upstream') as lane_failure,
+             -- (estimated as gateway.claim_queue estimates it, and capped as it caps a call's
+             -- tokens at a minute of the lane's: sql/000015.sql). An attempt that ends without
+             -- usage (a failure) gives back what it was charged.
+             case when lanes.tokens_per_minute is not null
+                  then least(coalesce(input.total_tokens, 0), lanes.tokens_per_minute)
+                       - least(coalesce(requests.prompt_tokens_estimate, octet_length(requests.body::text) / 4), lanes.tokens_per_minute)
+             end as unestimated_tokens
+      from input
+      join gateway.requests on requests.id = input.id and requests.attempts = input.attempt and requests.status = 'processing'
+      left join gateway.lanes on lanes.id = requests.lane_id
+    ), lane_calls as (
+      select lane_id, count(*) filter (where kind = 'completed') as successes, count(*) filter (where lane_failure) as failures
+      from current
+      group by lane_id
+    ), outcomes as (
+      select decided.*,
+             case when decided.kind <> 'retry' then decided.kind
+                  when decided.charged and decided.charged_attempts + 1 >= ${settings.maxAttempts}::int then 'failed'
+                  else 'retrying' end as status
+      from (
+        select current.*,
+               case when current.kind = 'completed' then null
+                    -- The simulator is never down: test mode's failures are what the client asked for.
+                    when current.mode = 'test' then true
+                    when current.fault = 'rate_limited' then false
+                    when current.lane_failure then
+                      current.health = 'healthy'
+                      and (lane_calls.successes > 0 or (lane_calls.failures = 1 and current.failure_streak = 0))
+                    else true end as charged
+        from current
+        join lane_calls on lane_calls.lane_id is not distinct from current.lane_id
+      ) as decided
     ), attempt_rows as (
       update gateway.request_attempts
       set outcome = case when input.kind = 'completed' then 'succeeded' else 'failed' end,
           finished_at = now(), upstream_status = input.upstream_status, duration_ms = input.duration_ms,
-          error_code = input.code, error_detail = input.detail
+          error_code = input.code, error_detail = input.detail, charged = outcomes.charged
       from input
+      left join outcomes on outcomes.ord = input.ord
       where request_attempts.request_id = input.id and request_attempts.attempt_number = input.attempt
         and request_attempts.outcome = 'running'
     ), finished as (
       update gateway.requests
-      set status = input.kind,
+      set status = outcomes.status,
+          result = outcomes.result::json,
+          prompt_tokens = outcomes.prompt_tokens,
+          completion_tokens = outcomes.completion_tokens,
+          total_tokens = outcomes.total_tokens,
+          charged_attempts = requests.charged_attempts + case when outcomes.charged then 1 else 0 end,
+          last_error_code = coalesce(outcomes.code, requests.last_error_code),
+          finished_at = case when outcomes.status = 'retrying' then null else now() end,
+          next_attempt_at = case when outcomes.status = 'retrying'
+                                 then now() + case when outcomes.charged then outcomes.delay_ms
+                                                   when outcomes.lane_failure and outcomes.health <> 'healthy' then 0
+                                                   else outcomes.uncharged_delay_ms end * interval '1 millisecond' end,
+          updated_at = now()
+      from outcomes
+      where requests.id = outcomes.id and requests.attempts = outcomes.attempt and requests.status = 'processing'
+      returning requests.id, requests.status, requests.queue_id, requests.next_attempt_at
+    ), lane_lessons as (
+      select lane_id,
+             count(*) filter (where kind = 'completed') as successes,
+             count(*) filter (where lane_failure) as failures,
+             count(*) filter (where lane_failure and id is distinct from last_failed_request_id) as new_failures,
+             max(id) filter (where lane_failure) as failed_request_id,
+             coalesce(bool_or(id = probe_request_id), false) as probe_ended,
+             coalesce(bool_or(id = probe_request_id and lane_failure), false) as probe_failed,
+             max(code || ': ' || detail) filter (where fault in ('upstream', 'rate_limited')) as error,
+             -- The simulator's lane is every test project's: a simulated 429 pauses no one else.
+             max(pause_ms) filter (where mode = 'live') as pause_ms,
+             coalesce(sum(unestimated_tokens), 0) as unestimated_tokens
+      from outcomes
+      where lane_id is not null
+      group by lane_id
+    ), lane_rows as (
+      -- The lanes with something to learn (a healthy lane's successes change nothing), locked,
+      -- in one order, and read again as they are now: two groups finishing on one lane at once
+      -- each build on what the other wrote.
+      select lanes.*
+      from gateway.lanes
+      join lane_lessons as lessons on lessons.lane_id = lanes.id
+      where lessons.failures > 0 or lessons.pause_ms is not null or lessons.unestimated_tokens <> 0 or lessons.probe_ended
+         or (lessons.successes > 0
+             and (lanes.health <> 'healthy' or lanes.failure_streak > 0
+                  or (lanes.window_failures > 0 and lanes.window_started_at > now() - ${rules.windowMs}::int * interval '1 millisecond')))
+      order by lanes.id
+      for update of lanes
+    ), lane_next as (
+      select lessons.*, lanes.health as old_health, window_now.*, streak.*, next.*, interval_now.*, probe.*
+      from lane_lessons as lessons
+      join lane_rows as lanes on lanes.id = lessons.lane_id
+      -- A window counts a minute of calls, begun by a failure.
+      cross join lateral (
+        select lanes.window_failures > 0
+               and lanes.window_started_at > now() - ${rules.windowMs}::int * interval '1 millisecond' as window_open
+      ) as open_window
+      cross join lateral (
+        select case when open_window.window_open then lanes.window_started_at
+                    when lessons.failures > 0 then now() end as window_started_at,
+               case when open_window.window_open then lanes.window_calls + lessons.successes + lessons.failures
+                    else lessons.failures end as window_calls,
+               case when open_window.window_open then lanes.window_failures + lessons.failures
+                    else lessons.failures end as window_failures
+      ) as window_now
+      cross join lateral (
+        select case when lessons.successes > 0 then 0 else lanes.failure_streak + lessons.new_failures end as failure_streak
+      ) as streak
+      cross join lateral (
+        select case when lessons.successes > 0 then 'healthy'
+                    when lanes.health = 'probing' and lessons.probe_ended then 'open'
+                    when lanes.health = 'healthy' and lessons.failures > 0
+                         and (streak.failure_streak >= ${rules.openAfterStreak}::int
+                              or (window_now.window_failures >= ${rules.windowMinFailures}::int
+                                  and window_now.window_failures * 2 > window_now.window_calls)) then 'open'
+                    else lanes.health end as health
+      ) as next
+      cross join lateral (
+        select case when next.health = 'healthy' then null
+                    when lanes.health = 'healthy' then ${rules.probeMinMs}::int
+                    when lessons.probe_failed
+                      then least(${rules.probeMaxMs}::int, coalesce(lanes.probe_interval_ms, ${rules.probeMinMs}::int) * 2)
+                    else lanes.probe_interval_ms end as probe_interval_ms
+      ) as interval_now
+      cross join lateral (
+        select case when next.health <> 'open' then null
+                    when lanes.health = 'open' then lanes.probe_at
+                    -- A probe that ended for its request's own reasons says nothing: the next is due now.
+                    when lanes.health = 'probing' and not lessons.probe_failed then now()
+                    else now() + interval_now.probe_interval_ms * interval '1 millisecond' end as probe_at,
+               case when next.health = 'probing' then lanes.probe_request_id end as probe_request_id
+      ) as probe
+    ), lanes_taught as (
+      update gateway.lanes
+      set paused_until = case when lane_next.pause_ms is null then lanes.paused_until
+                              else greatest(lanes.paused_until, now() + lane_next.pause_ms * interval '1 millisecond') end,
+          token_allowance = lanes.token_allowance - lane_next.unestimated_tokens,
+          failure_streak = lane_next.failure_streak,
+          last_failed_request_id = case when lane_next.successes > 0 then null
+                                        else coalesce(lane_next.failed_request_id, lanes.last_failed_request_id) end,
+          -- A lane that closes starts counting afresh.
+          window_started_at = case when lane_next.health = 'healthy' and lane_next.old_health <> 'healthy' then null
+                                   else lane_next.window_started_at end,
+          window_calls = case when lane_next.health = 'healthy' and lane_next.old_health <> 'healthy' then 0
+                              else lane_next.window_calls end,
+          window_failures = case when lane_next.health = 'healthy' and lane_next.old_health <> 'healthy' then 0
+                                 else lane_next.window_failures end,
+          health = lane_next.health,
+          health_since = case when (lane_next.health = 'healthy') <> (lane_next.old_health = 'healthy') then now()
+                              else lanes.health_since end,
+          probe_interval_ms = lane_next.probe_interval_ms,
+          probe_at = lane_next.probe_at,
+          probe_request_id = lane_next.probe_request_id,
+          last_error = coalesce(lane_next.error, lanes.last_error),
+          last_error_at = case when lane_next.error is not null then now() else lanes.last_error_at end
+      from lane_next
+      where lanes.id = lane_next.lane_id
+      returning lanes.id, lanes.queue_id, lanes.upstream, lanes.model, lane_next.old_health, lanes.health, lanes.last_error
+    ), due as (
+      select distinct queue_id, next_attempt_at as run_at from finished where status = 'retrying'
+      union
+      select queue_id, now() from lanes_taught where old_health <> health
+    ), queued as (
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null, run_at,
+                   null, null, null, null)::graphile_worker.job_spec
+        from due
+      ))
+      where exists (select from due)
+    ), changes as (
+      select coalesce(json_agg(json_build_object('lane_id', id::text, 'upstream', upstream, 'model', model,
+                                                 'from', old_health, 'to', health, 'last_error', last_error)), '[]') as list
+      from lanes_taught
+      where old_health <> health
+    )
+    select outcomes.status, outcomes.charged, changes.list as lane_changes
+    from input
+    cross join queued
+    cross join changes
+    left join outcomes on outcomes.ord = input.ord
+    left join finished on finished.id = input.id
+    order by input.ord
+  `.execute(db);
+  return {
+    finished: rows.map((row) => (row.status === null ? null : { status: row.status, charged: row.charged })),
+    laneChanges: (rows[0]?.lane_changes ?? []).map((change) => ({
+      laneId: change.lane_id,
+      upstream: change.upstream,
+      model: change.model,
+      from: change.from,
+      to: change.to,
+      lastError: change.last_error,
+    })),
+  };
+}
+
+type Completion = Extract<Finish, { kind: 'completed' }>;
+
+/**
+ * The common case of finishAttempts in fewer steps (a group of completions is most groups): the
+ * same rows written, when none of the group's lanes has anything to learn from a success. A
+ * healthy lane with no failure since its last success, no window of failures open and no token
+ * allowance to correct is left as it is by finishAttempts too. Returns undefined, having changed
+ * nothing, when a lane of the group is in any other state: finishAttempts then records the group.
+ * Its lanes are read, not locked: a failure recorded on one at the same moment counts as after
+ * these successes.
+ */
+async function finishCompletions(db: Db, completions: readonly Completion[], rules: LaneHealthRules): Promise<Finished[] | undefined> {
+  const column = <T>(pick: (completion: Completion) => T) => completions.map(pick);
+  const { rows } = await sql<{ plain: boolean; applied: boolean }>`
+    with input as (
+      select * from unnest(
+        ${column((c) => c.id)}::text[],
+        ${column((c) => c.attempt)}::int[],
+        ${column((c) => c.laneId)}::bigint[],
+        ${column((c) => c.result)}::text[],
+        ${column((c) => c.usage.prompt)}::int[],
+        ${column((c) => c.usage.completion)}::int[],
+        ${column((c) => c.usage.total)}::int[],
+        ${column((c) => c.upstreamStatus)}::int[],
+        ${column((c) => c.durationMs)}::int[]
+      ) with ordinality as t(id, attempt, lane_id, result, prompt_tokens, completion_tokens, total_tokens,
+                              upstream_status, duration_ms, ord)
+    ), lanes_plain as (
+      select not exists (
+        select from gateway.lanes
+        where lanes.id in (select lane_id from input)
+          and (lanes.health <> 'healthy' or lanes.failure_streak > 0 or lanes.tokens_per_minute is not null
+               or (lanes.window_failures > 0
+                   and lanes.window_started_at > now() - ${rules.windowMs}::int * interval '1 millisecond'))
+      ) as plain
+    ), attempt_rows as (
+      update gateway.request_attempts
+      set outcome = 'succeeded', finished_at = now(), upstream_status = input.upstream_status, duration_ms = input.duration_ms
+      from input
+      where request_attempts.request_id = input.id and request_attempts.attempt_number = input.attempt
+        and request_attempts.outcome = 'running' and (select plain from lanes_plain)
+    ), finished as (
+      update gateway.requests
+      set status = 'completed',
           result = input.result::json,
           prompt_tokens = input.prompt_tokens,
           completion_tokens = input.completion_tokens,
           total_tokens = input.total_tokens,
-          last_error_code = coalesce(input.code, requests.last_error_code),
-          finished_at = case when input.kind = 'retrying' then null else now() end,
-          next_attempt_at = case when input.kind = 'retrying'
-                                 then now() + input.delay_ms * interval '1 millisecond' end,
+          finished_at = now(),
+          next_attempt_at = null,
           updated_at = now()
       from input
       where requests.id = input.id and requests.attempts = input.attempt and requests.status = 'processing'
-      returning requests.id, requests.status, requests.next_attempt_at, requests.lane_id,
-                -- (estimated as gateway.claim_lane estimates it: sql/000008.sql)
-                requests.total_tokens
-                  - coalesce(requests.prompt_tokens_estimate, octet_length(requests.body::text) / 4) as unestimated_tokens,
-                input.pause_ms
-    ), lane_lessons as (
-      select lane_id, max(pause_ms) as pause_ms, coalesce(sum(unestimated_tokens), 0) as unestimated_tokens
-      from finished
-      where pause_ms is not null or unestimated_tokens is not null
-      group by lane_id
-    ), lanes_taught as (
-      update gateway.lanes
-      set paused_until = case when lane_lessons.pause_ms is null then lanes.paused_until
-                              else greatest(lanes.paused_until, now() + lane_lessons.pause_ms * interval '1 millisecond') end,
-          token_allowance = lanes.token_allowance - lane_lessons.unestimated_tokens
-      from lane_lessons
-      where lanes.id = lane_lessons.lane_id
-        and (lane_lessons.pause_ms is not null or lanes.tokens_per_minute is not null)
-    ), queued as (
-      select count(*) as jobs
-      from graphile_worker.add_jobs(array(
-        select row(${DISPATCH_LANE}, json_build_object('lane_id', lane_id), null, next_attempt_at,
-                   null, null, null, null)::graphile_worker.job_spec
-        from finished where status = 'retrying'
-      ))
-      where exists (select from finished where status = 'retrying')
+        and (select plain from lanes_plain)
+      returning requests.id
     )
-    select input.ord, finished.id is not null as applied
+    select (select plain from lanes_plain) as plain, finished.id is not null as applied
     from input
-    cross join queued
     left join finished on finished.id = input.id
     order by input.ord
   `.execute(db);
-  return rows.map((row) => row.applied);
+  if (!rows[0]?.plain) return undefined;
+  return rows.map((row) => (row.applied ? { status: 'completed', charged: null } : null));
 }
 
 /** An attempt left running by a worker that died. */
 export interface LostAttempt extends Pick<Selectable<RequestsTable>, 'id' | 'mode'> {
   attempt: Selectable<RequestAttemptsTable>['attempt_number'];
+  /** Attempts charged to its request before this one. */
+  charged: number;
 }
 
 /**
@@ -130,7 +404,8 @@ export async function findLostAttempts(
   limit: number,
 ): Promise<LostAttempt[]> {
   const { rows } = await sql<LostAttempt>`
-    select request_attempts.request_id as id, request_attempts.attempt_number as attempt, requests.mode
+    select request_attempts.request_id as id, request_attempts.attempt_number as attempt, requests.mode,
+           requests.charged_attempts as charged
     from gateway.request_attempts
     join gateway.requests on requests.id = request_attempts.request_id
     where request_attempts.outcome = 'running'
@@ -142,15 +417,15 @@ export async function findLostAttempts(
   return rows;
 }
 
-/** The lane of a request that is still waiting or running; undefined otherwise. */
-export async function findRequestLane(db: Db, id: string): Promise<string | undefined> {
+/** The queue of a request that is still waiting or running; undefined otherwise. */
+export async function findRequestQueue(db: Db, id: string): Promise<string | undefined> {
   const row = await db
     .selectFrom('requests')
-    .select('lane_id')
+    .select('queue_id')
     .where('id', '=', id)
     .where('finished_at', 'is', null)
     .executeTakeFirst();
-  return row?.lane_id ?? undefined;
+  return row?.queue_id ?? undefined;
 }
 
 /** Of these requests, those that have ended. */

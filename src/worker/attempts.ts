@@ -1,8 +1,10 @@
 // Running one attempt that a dispatch started (worker/dispatcher.ts): call the lane's upstream
 // (the simulator in test mode) with no database connection held, then record how it ended:
-// completed with its usage, failed, or retrying, when the lane is dispatched again for it. An
-// upstream 429 also pauses the whole lane. The outcomes of attempts that end at about the same
-// time are written together (db/batcher.ts): one statement and one commit for all of them.
+// completed with its usage, failed, or retrying, when its queue is dispatched again for it.
+// Whether a failure is charged toward MAX_ATTEMPTS is decided as it is recorded, from its lane's
+// health (attempts-repository.ts); an upstream 429 also pauses the whole lane, and the
+// provider's failures open it. The outcomes of attempts that end at about the same time are
+// written together (db/batcher.ts): one statement and one commit for all of them.
 // An attempt cut short by a shutdown after SHUTDOWN_GRACE_MS, or whose worker died (found by
 // the supervisor's sweep), is recorded as worker_lost and retried at once.
 //
@@ -23,10 +25,12 @@ import { SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { UpstreamClient } from '../upstream/openai.ts';
-import { ATTEMPT_ERRORS, type AttemptOutcome } from '../upstream/outcome.ts';
+import { ATTEMPT_ERRORS, type AttemptErrorCode, type AttemptOutcome } from '../upstream/outcome.ts';
 import { simulate } from '../upstream/simulator.ts';
-import { finishAttempts, type AttemptFailure, type Finish, type LostAttempt } from './attempts-repository.ts';
-import { retryDelay } from './backoff.ts';
+import { LANE_HEALTH } from '../lanes/health.ts';
+import { finishAttempts, type Finish, type Finished, type LostAttempt } from './attempts-repository.ts';
+import { reportLaneChange } from './lane-changes.ts';
+import { MAX_RETRY_AFTER_MS, retryDelay } from './backoff.ts';
 
 export interface AttemptDeps {
   db: Db;
@@ -42,6 +46,8 @@ export interface CallTarget {
   mode: KeyMode;
   /** undefined: the simulator. */
   upstream: Upstream | undefined;
+  /** The upstream's own name for the model, when the file renames it (the body's model is replaced). */
+  model: string | undefined;
   /** The model as a metrics label: bounded by the configuration, never a client's free text. */
   modelLabel: string;
 }
@@ -82,7 +88,12 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     answerMemoryBytes: deps.config.upstreamAnswerMemoryBytes,
   });
   deps.metrics.watchAnswerMemory(upstreams.answerMemory);
-  const finishes = new Batcher<Finish, boolean>((items) => finishAttempts(deps.db, items), {
+  const settings = { maxAttempts: deps.config.maxAttempts, health: LANE_HEALTH };
+  const finishes = new Batcher<Finish, Finished>(async (items) => {
+    const { finished, laneChanges } = await finishAttempts(deps.db, items, settings);
+    for (const change of laneChanges) reportLaneChange({ metrics: deps.metrics, log }, change);
+    return finished;
+  }, {
     maxInFlight: GROUP_STATEMENTS_IN_FLIGHT,
     maxBatch: 500,
     maxBytes: { max: GROUP_BYTES, sizeOf: finishBytes },
@@ -114,7 +125,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     try {
       if (outcome.ok) {
         const { usage } = outcome;
-        const done = await record({ kind: 'completed', id: started.id, attempt: started.attempt, result: outcome.result, usage, upstreamStatus: outcome.upstreamStatus, durationMs });
+        const done = await record({ kind: 'completed', id: started.id, attempt: started.attempt, laneId: started.laneId, result: outcome.result, usage, upstreamStatus: outcome.upstreamStatus, durationMs });
         if (done) {
           // gateway_tokens_total: a completion's usage, by its lane.
           const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
@@ -124,8 +135,8 @@ export function createAttempts(deps: AttemptDeps): Attempts {
         }
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
       } else {
-        const failure = { code: outcome.code, detail: outcome.detail, upstreamStatus: outcome.upstreamStatus, durationMs };
-        await fail(started.id, started.attempt, failure, { retryAfterMs: outcome.retryAfterMs });
+        const { code, detail, upstreamStatus } = outcome;
+        await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs });
       }
     } catch (error) {
       // Abandoned at shutdown, or a failure that no retry mends: the attempt stays running in the
@@ -135,7 +146,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
   }
 
   async function call(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<AttemptOutcome> {
-    const request = { body: started.body, signal };
+    const request = { body: target.model === undefined ? started.body : renamed(started.body, target.model), signal };
     try {
       return target.upstream === undefined
         ? await simulate({ ...request, attempt: started.attempt })
@@ -148,25 +159,29 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     }
   }
 
+  /** Records a failed attempt: the request is retried, or fails, as its fault and its lane's health decide. */
   async function fail(
-    id: string,
-    attempt: number,
-    failure: AttemptFailure,
-    options: { retryAfterMs?: number | undefined; patienceMs?: number } = {},
+    started: Pick<StartedAttempt, 'id' | 'attempt' | 'charged'>,
+    failure: { code: AttemptErrorCode; detail: string; upstreamStatus: number | null; durationMs: number | null; retryAfterMs?: number | undefined },
+    patienceMs?: number,
   ): Promise<void> {
-    const { retryAfterMs, patienceMs } = options;
-    const retryable = ATTEMPT_ERRORS[failure.code as keyof typeof ATTEMPT_ERRORS]?.retryable ?? false;
-    const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, attempt, retryAfterMs);
-    // A 429 pauses the lane for its retry-after, or for the backoff when it sent none.
-    const pauseMs = failure.code === 'upstream_rate_limited' ? (retryAfterMs ?? delayMs) : undefined;
-    if (retryable && attempt < deps.config.maxAttempts) {
-      const scheduled = await record({ kind: 'retrying', id, attempt, delayMs, pauseMs, ...failure }, patienceMs);
-      log.info({ requestId: id, attempt, code: failure.code, delayMs, stale: !scheduled }, 'attempt failed; retry scheduled');
-    } else {
-      const failed = await record({ kind: 'failed', id, attempt, pauseMs, ...failure }, patienceMs);
-      if (failed) finished(id);
-      log.info({ requestId: id, attempt, code: failure.code, stale: !failed }, 'attempt failed; request failed');
-    }
+    const { id, attempt } = started;
+    const { retryAfterMs, ...report } = failure;
+    const { retryable, fault } = ATTEMPT_ERRORS[failure.code];
+    // The backoff after the request's charged attempts, if this one is charged too; if not (a
+    // 429, an outage), one that grows with every attempt.
+    const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, started.charged + 1, retryAfterMs);
+    const unchargedDelayMs = retryDelay(deps.config, attempt, retryAfterMs);
+    // A 429 pauses the lane for its retry-after (an hour at most), or for the backoff when it sent none.
+    const pauseMs = fault === 'rate_limited' ? Math.min(retryAfterMs ?? unchargedDelayMs, MAX_RETRY_AFTER_MS) : undefined;
+    const finish: Finish = retryable
+      ? { kind: 'retry', id, attempt, delayMs, unchargedDelayMs, pauseMs, fault, ...report }
+      : { kind: 'failed', id, attempt, pauseMs, fault, ...report };
+    const done = await record(finish, patienceMs);
+    if (done?.status === 'failed') finished(id);
+    const fields = { requestId: id, attempt, code: failure.code, charged: done?.charged ?? null, stale: done === null };
+    if (done?.status === 'retrying') log.info(fields, 'attempt failed; retry scheduled');
+    else log.info(fields, 'attempt failed; request failed');
   }
 
   function finished(id: string): void {
@@ -185,22 +200,23 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     abandonRecordings: () => abandoning.abort(),
     async recover(lost) {
       await Promise.all(
-        lost.map(async ({ id, attempt, mode }) => {
-          log.warn({ requestId: id, attempt }, 'attempt lost with its worker; recording it and retrying');
-          deps.metrics.attempts.inc({ mode, outcome: 'failed', code: 'worker_lost' });
-          await fail(
-            id,
-            attempt,
-            {
-              code: 'worker_lost',
-              detail: 'the worker running this attempt stopped before recording its outcome',
-              upstreamStatus: null,
-              durationMs: null,
-            },
-            { patienceMs: RECOVERY_PATIENCE_MS },
-          );
+        lost.map(async (attempt) => {
+          log.warn({ requestId: attempt.id, attempt: attempt.attempt }, 'attempt lost with its worker; recording it and retrying');
+          deps.metrics.attempts.inc({ mode: attempt.mode, outcome: 'failed', code: 'worker_lost' });
+          const failure = {
+            code: 'worker_lost' as const,
+            detail: 'the worker running this attempt stopped before recording its outcome',
+            upstreamStatus: null,
+            durationMs: null,
+          };
+          await fail(attempt, failure, RECOVERY_PATIENCE_MS);
         }),
       );
     },
   };
+}
+
+/** The body with its model replaced by the upstream's own name for it. */
+function renamed(body: string, model: string): string {
+  return JSON.stringify({ ...(JSON.parse(body) as Record<string, unknown>), model });
 }

@@ -1,8 +1,9 @@
 // Exponential backoff with full jitter: the n-th retry waits a uniformly random time in
 // [0, min(max, base * 2^(n-1))], so clients that failed together do not retry together.
 
-// A retry-after longer than this is not honoured in full: a request must not sleep for days.
-const MAX_RETRY_AFTER_MS = 60 * 60 * 1000;
+// A retry-after longer than this is not honoured in full: a request must not sleep for days,
+// nor a lane stay paused for them.
+export const MAX_RETRY_AFTER_MS = 60 * 60 * 1000;
 
 export interface BackoffSettings {
   retryBaseMs: number;

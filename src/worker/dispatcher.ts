@@ -1,19 +1,26 @@
-// The one way an attempt starts. A dispatch of a lane asks Postgres for as many of the lane's
-// waiting requests as its limits allow, in its projects' turns (gateway.claim_lane, one
+// The one way an attempt starts. A dispatch of a model's queue asks Postgres for as many of its
+// waiting requests as the lanes of its deployments allow, the first deployment preferred, each
+// lane within its health and limits and in its projects' turns (gateway.claim_queue, one
 // statement), and starts their upstream calls here. A call in flight holds a socket, a timer and
 // a few objects: no database connection and no graphile-worker slot, so a worker process keeps
 // thousands in flight, up to MAX_IN_FLIGHT live and TEST_MAX_IN_FLIGHT test calls, each mode in
 // capacity of its own.
 //
-// What dispatches a lane:
-// - its dispatch_lane jobs (jobs.ts): added with accepted requests and with retries, and by
-//   claim_lane itself for the time a lane waiting for its rate limits or a pause has room again;
+// What dispatches a queue:
+// - its dispatch_queue jobs (jobs.ts): added with accepted requests, with retries, when a lane
+//   changes health, and by claim_queue itself for the time a lane waiting for its rate limits, a
+//   pause or a probe has room again;
 // - in a process that also serves the API, the requests it has just accepted (no queue hop);
-// - a call of a lane with max_concurrent ending here: the room it leaves is taken by the process
+// - a call on a lane with max_concurrent ending here: the room it leaves is taken by the process
 //   that had it (a process waiting for that room elsewhere would never hear of it);
-// - room made in this process's capacity, for the lanes that were waiting for it.
-// Dispatches of one lane in one process run one at a time: calls that arrive meanwhile share
+// - room made in this process's capacity, for the queues that were waiting for it.
+// Dispatches of one queue in one process run one at a time: calls that arrive meanwhile share
 // the next.
+//
+// Models are the clients' to name (an upstream's pattern serves them), so what this process keeps
+// per queue is bounded: a queue's slot lives while a dispatch of it is under way or asked for, or
+// while it waits for capacity here; its route (mode, model, lanes), read from the database on its
+// first dispatch, is remembered for the QUEUE_ROUTES_REMEMBERED queues dispatched most recently.
 //
 // A call whose request ends meanwhile (cancelled, or finished by another worker after this one
 // was presumed dead) is aborted as soon as the process hears of it: the requests' ends are
@@ -24,14 +31,26 @@
 // the supervisor's sweep finds this worker's heartbeat gone and records them as worker_lost.
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
+import { LRUCache } from 'lru-cache';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { landWithin, type InFlight } from '../grace.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
-import { addDispatch, claimLane, findLane, type Lane, type LaneClaim, type StartedAttempt } from '../lanes/repository.ts';
+import {
+  addDispatch,
+  claimQueue,
+  ensureLanes,
+  findQueue,
+  type DeploymentLane,
+  type Queue,
+  type QueueClaim,
+  type StartedAttempt,
+} from '../lanes/repository.ts';
 import { findEnded } from './attempts-repository.ts';
-import { modelLabel, NO_LIMITS, SIMULATOR, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
+import { deploymentsOf, modelLabel, NO_LIMITS, SIMULATOR, upstreamModel, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
+import type { Metrics } from '../metrics.ts';
+import { reportLaneChange } from './lane-changes.ts';
 import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, type Attempts, type CallTarget } from './attempts.ts';
 
 export interface DispatcherOptions {
@@ -40,9 +59,12 @@ export interface DispatcherOptions {
   upstreams: readonly Upstream[];
   /** Calls in flight at most, per mode (MAX_IN_FLIGHT, TEST_MAX_IN_FLIGHT). */
   capacity: Readonly<Record<KeyMode, number>>;
+  /** Routes of queues remembered at most (QUEUE_ROUTES_REMEMBERED unless given). */
+  routesRemembered?: number;
   upstreamTimeoutMs: number;
   /** How long calls in flight may finish at shutdown (SHUTDOWN_GRACE_MS). */
   graceMs: number;
+  metrics: Metrics;
   logger: Logger;
 }
 
@@ -53,16 +75,26 @@ const START_SLICE = 50;
 const OUTAGE_PATIENCE_MS = 60_000;
 // How often the calls' requests are checked while their ends cannot be heard.
 const ENDED_POLL_MS = 1_000;
+/** Routes of queues remembered at most (the least recently dispatched are read again when next needed). */
+export const QUEUE_ROUTES_REMEMBERED = 10_000;
 
-/** Where a lane's calls go, and its limits. */
-interface Route {
+/** A lane of a queue's deployments: where its calls go, and its limits. */
+interface Deployment extends DeploymentLane {
   target: CallTarget;
-  limits: LaneLimits;
 }
 
-interface LaneSlot {
+/** A queue's mode and deployments, in the order they are preferred (none: no upstream here serves its model). */
+interface Route {
+  mode: KeyMode;
+  model: string;
+  deployments: readonly Deployment[];
+  /** The deployments by lane id. */
+  lanes: ReadonlyMap<string, Deployment>;
+}
+
+interface QueueSlot {
   readonly id: string;
-  /** Read once (null: its upstream is not configured here). */
+  /** Read on the slot's first dispatch unless remembered (null: the queue does not exist). */
   route: Route | null | undefined;
   /** Dispatches under way or asked for (the loop runs while there are). */
   loop: Promise<void> | undefined;
@@ -76,13 +108,16 @@ export class Dispatcher {
   readonly workerId = `worker-${hostname()}-${process.pid}-${randomBytes(4).toString('hex')}`;
   readonly #options: DispatcherOptions;
   readonly #log: Logger;
-  readonly #lanes = new Map<string, LaneSlot>();
-  /** Lanes whose last dispatch stopped for this process's capacity, by mode. */
-  readonly #waitingForCapacity: Record<KeyMode, Set<LaneSlot>> = { live: new Set(), test: new Set() };
+  /** Slots of the queues with a dispatch under way or asked for, or waiting for capacity. */
+  readonly #queues = new Map<string, QueueSlot>();
+  /** Routes of the queues dispatched most recently, by queue id. */
+  readonly #routes: LRUCache<string, Route>;
+  /** Queues whose last dispatch stopped for this process's capacity, by mode. */
+  readonly #waitingForCapacity: Record<KeyMode, Set<QueueSlot>> = { live: new Set(), test: new Set() };
   readonly #inFlight: Record<KeyMode, number> = { live: 0, test: 0 };
   /**
    * Room promised to claims under way, by mode: from before a claim until each call it started
-   * is in flight. Dispatches of several lanes run at once; without this, each would count the
+   * is in flight. Dispatches of several queues run at once; without this, each would count the
    * same room free, and together start more calls than the capacity.
    */
   readonly #reserved: Record<KeyMode, number> = { live: 0, test: 0 };
@@ -90,10 +125,23 @@ export class Dispatcher {
   readonly #calls = new Map<string, InFlight>();
   #stopping = false;
   #polling: NodeJS.Timeout | undefined;
+  /** Checks of the calls' requests under way (#checkEnded), awaited by stop(). */
+  readonly #checks = new Set<Promise<void>>();
 
   constructor(options: DispatcherOptions) {
     this.#options = options;
     this.#log = options.logger.child({ component: 'dispatcher' });
+    this.#routes = new LRUCache({ max: options.routesRemembered ?? QUEUE_ROUTES_REMEMBERED });
+  }
+
+  /** What this process keeps per queue: slots (dispatches under way or waiting) and routes remembered. */
+  get remembered(): { slots: number; routes: number } {
+    return { slots: this.#queues.size, routes: this.#routes.size };
+  }
+
+  /** These queues were deleted (pruned): their routes are forgotten. */
+  forgetQueues(ids: Iterable<string>): void {
+    for (const id of ids) this.#routes.delete(id);
   }
 
   /** These requests ended (gateway_requests_finished): a call of one still in flight here is aborted. */
@@ -119,10 +167,13 @@ export class Dispatcher {
 
   #checkEnded(): void {
     if (this.#calls.size === 0) return;
-    findEnded(this.#options.db, [...this.#calls.keys()]).then(
-      (ids) => this.ended(ids),
-      (error: unknown) => this.#log.debug({ err: errorSummary(error) }, 'could not check whether the calls\' requests ended'),
-    );
+    const check: Promise<void> = findEnded(this.#options.db, [...this.#calls.keys()])
+      .then(
+        (ids) => this.ended(ids),
+        (error: unknown) => this.#log.debug({ err: errorSummary(error) }, 'could not check whether the calls\' requests ended'),
+      )
+      .finally(() => this.#checks.delete(check));
+    this.#checks.add(check);
   }
 
   /** Calls in flight now, by mode. */
@@ -131,21 +182,21 @@ export class Dispatcher {
   }
 
   /**
-   * Dispatches the lane: resolves once a dispatch begun after this call has ended (its attempts
-   * started, or the lane found without room); rejects if its claim failed.
+   * Dispatches the queue: resolves once a dispatch begun after this call has ended (its attempts
+   * started, or its lanes found without room); rejects if its claim failed.
    */
-  dispatch(laneId: string): Promise<void> {
-    const lane = this.#lane(laneId);
-    const ended = new Promise<void>((resolve, reject) => lane.waiters.push({ resolve, reject }));
-    this.#run(lane);
+  dispatch(queueId: string): Promise<void> {
+    const queue = this.#queue(queueId);
+    const ended = new Promise<void>((resolve, reject) => queue.waiters.push({ resolve, reject }));
+    this.#run(queue);
     return ended;
   }
 
-  /** Dispatches the lane without waiting for it (its failures are logged). */
-  poke(laneId: string): void {
-    const lane = this.#lane(laneId);
-    lane.poked = true;
-    this.#run(lane);
+  /** Dispatches the queue without waiting for it (its failures are logged). */
+  poke(queueId: string): void {
+    const queue = this.#queue(queueId);
+    queue.poked = true;
+    this.#run(queue);
   }
 
   /**
@@ -155,89 +206,102 @@ export class Dispatcher {
   async stop(): Promise<void> {
     this.#stopping = true;
     clearInterval(this.#polling);
-    await Promise.all([...this.#lanes.values()].map((lane) => lane.loop));
+    await Promise.all([...this.#queues.values()].map((queue) => queue.loop));
     await landWithin(this.#options.graceMs, () => this.#calls.values(), ABORTED_BY_SHUTDOWN, () =>
       this.#options.attempts.abandonRecordings(),
     );
+    await Promise.all(this.#checks);
   }
 
-  #lane(id: string): LaneSlot {
-    let lane = this.#lanes.get(id);
-    if (!lane) {
-      lane = { id, route: undefined, loop: undefined, waiters: [], poked: false };
-      this.#lanes.set(id, lane);
+  #queue(id: string): QueueSlot {
+    let queue = this.#queues.get(id);
+    if (!queue) {
+      queue = { id, route: this.#routes.get(id), loop: undefined, waiters: [], poked: false };
+      this.#queues.set(id, queue);
     }
-    return lane;
+    return queue;
   }
 
-  #run(lane: LaneSlot): void {
-    if (lane.loop) return;
-    lane.loop = this.#loop(lane).finally(() => {
-      lane.loop = undefined;
+  #run(queue: QueueSlot): void {
+    if (queue.loop) return;
+    queue.loop = this.#loop(queue).finally(() => {
+      queue.loop = undefined;
+      // Asked for between the loop's last look and now: it runs again.
+      if (queue.poked || queue.waiters.length > 0) {
+        this.#run(queue);
+      } else if (!this.#waitingForCapacity.live.has(queue) && !this.#waitingForCapacity.test.has(queue)) {
+        this.#queues.delete(queue.id);
+      }
     });
   }
 
-  async #loop(lane: LaneSlot): Promise<void> {
-    while (lane.poked || lane.waiters.length > 0) {
-      const waiters = lane.waiters;
-      lane.waiters = [];
-      lane.poked = false;
+  async #loop(queue: QueueSlot): Promise<void> {
+    while (queue.poked || queue.waiters.length > 0) {
+      const waiters = queue.waiters;
+      queue.waiters = [];
+      queue.poked = false;
       try {
-        await this.#dispatchOnce(lane);
+        await this.#dispatchOnce(queue);
         for (const waiter of waiters) waiter.resolve();
       } catch (error) {
-        this.#log.error({ laneId: lane.id, err: errorSummary(error) }, 'lane dispatch failed');
+        this.#log.error({ queueId: queue.id, err: errorSummary(error) }, 'queue dispatch failed');
         // The jobs behind these waiters fail, and graphile-worker runs them again later.
         for (const waiter of waiters) waiter.reject(error);
       }
     }
   }
 
-  async #dispatchOnce(lane: LaneSlot): Promise<void> {
+  async #dispatchOnce(queue: QueueSlot): Promise<void> {
     const db = this.#options.db;
     if (this.#stopping) {
       // Whatever asked for this dispatch is answered by another worker.
-      await this.#db(() => addDispatch(db, lane.id));
+      await this.#db(() => addDispatch(db, queue.id));
       return;
     }
-    if (lane.route === undefined) lane.route = this.#routeOf(await this.#db(() => findLane(db, lane.id)));
-    const { route } = lane;
+    if (queue.route === undefined) {
+      const found = await this.#db(() => findQueue(db, queue.id));
+      queue.route = found ? await this.#db(() => this.#routeOf(found)) : null;
+      if (queue.route) this.#routes.set(queue.id, queue.route);
+    }
+    const { route } = queue;
     if (!route) return;
-    const mode = route.target.mode;
+    const { mode } = route;
     for (;;) {
       const room = this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode];
       const waiting = this.#waitingForCapacity[mode];
       if (room <= 0) {
-        if (!waiting.has(lane)) {
-          waiting.add(lane);
-          // Another worker with room may take the lane meanwhile.
-          await this.#db(() => addDispatch(db, lane.id));
+        if (!waiting.has(queue)) {
+          waiting.add(queue);
+          // Another worker with room may take the queue meanwhile.
+          await this.#db(() => addDispatch(db, queue.id));
         }
         return;
       }
-      waiting.delete(lane);
-      const claim = await this.#claimAndStart(lane, route, Math.min(room, CLAIM_BATCH));
-      // Done when nothing due is left, when the limits hold the rest back (a dispatch is
-      // scheduled for when they allow more), or when only ending calls make room.
+      waiting.delete(queue);
+      const claim = await this.#claimAndStart(queue, route, Math.min(room, CLAIM_BATCH));
+      // Done when nothing due is left, when time holds the rest back (a dispatch is scheduled
+      // for when a lane has room), or when only ending calls make room.
       if (!claim.waiting || claim.roomAt !== undefined || claim.started.length === 0) return;
     }
   }
 
-  /** Claims up to `max` of the lane's waiting requests, with that much room reserved, and starts their calls. */
-  async #claimAndStart(lane: LaneSlot, route: Route, max: number): Promise<LaneClaim> {
-    const { mode } = route.target;
+  /** Claims up to `max` of the queue's waiting requests, with that much room reserved, and starts their calls. */
+  async #claimAndStart(queue: QueueSlot, route: Route, max: number): Promise<QueueClaim> {
+    const { mode } = route;
     let reserved = max;
     this.#reserved[mode] += reserved;
     try {
-      const claim = await this.#db(() => claimLane(this.#options.db, lane.id, max, this.workerId, route.limits));
+      const claim = await this.#db(() => claimQueue(this.#options.db, queue.id, max, this.workerId, route.deployments));
       this.#release(mode, reserved - claim.started.length);
       reserved = claim.started.length;
       for (const [index, started] of claim.started.entries()) {
-        // A claim can start hundreds of calls: their outcomes and the other lanes get a turn.
+        // A claim can start hundreds of calls: their outcomes and the other queues get a turn.
         if (index > 0 && index % START_SLICE === 0) await new Promise((resolve) => setImmediate(resolve));
         this.#reserved[mode]--;
         reserved--;
-        this.#fly(lane, route, started);
+        const deployment = route.lanes.get(started.laneId)!;
+        if (started.probe) this.#probing(deployment, route.model, started);
+        this.#fly(queue, deployment, started);
       }
       return claim;
     } finally {
@@ -245,7 +309,7 @@ export class Dispatcher {
     }
   }
 
-  /** Gives back room reserved and not used: the lanes that were waiting for room are dispatched. */
+  /** Gives back room reserved and not used: the queues that were waiting for room are dispatched. */
   #release(mode: KeyMode, room: number): void {
     if (room <= 0) return;
     this.#reserved[mode] -= room;
@@ -253,7 +317,7 @@ export class Dispatcher {
     for (const waiting of this.#waitingForCapacity[mode]) this.poke(waiting.id);
   }
 
-  #fly(lane: LaneSlot, { target, limits }: Route, started: StartedAttempt): void {
+  #fly(queue: QueueSlot, { target, limits }: Deployment, started: StartedAttempt): void {
     const controller = new AbortController();
     const timer = setTimeout(abortTimedOut, this.#options.upstreamTimeoutMs, controller);
     this.#inFlight[target.mode]++;
@@ -262,24 +326,35 @@ export class Dispatcher {
       this.#calls.delete(started.id);
       this.#inFlight[target.mode]--;
       if (this.#stopping) return;
-      if (limits.maxConcurrent !== undefined) this.poke(lane.id);
+      if (limits.maxConcurrent !== undefined) this.poke(queue.id);
       for (const waiting of this.#waitingForCapacity[target.mode]) this.poke(waiting.id);
     });
     this.#calls.set(started.id, { controller, done });
   }
 
-  #routeOf(lane: Lane | undefined): Route | null {
-    if (!lane) return null;
-    if (lane.mode === 'test') {
-      return { target: { mode: 'test', upstream: undefined, modelLabel: SIMULATOR }, limits: NO_LIMITS };
+  /** An open lane's probe starts: the lane is probing. */
+  #probing({ laneId, target }: Deployment, model: string, started: StartedAttempt): void {
+    const upstream = target.upstream?.name ?? SIMULATOR;
+    reportLaneChange({ metrics: this.#options.metrics, log: this.#log }, { laneId, upstream, model, from: 'open', to: 'probing', lastError: null });
+    this.#log.debug({ laneId, requestId: started.id, attempt: started.attempt }, 'probe started');
+  }
+
+  /** The queue's deployments as this worker is configured: their lanes, created on first use. */
+  async #routeOf(queue: Queue): Promise<Route> {
+    const upstreams: (Upstream | undefined)[] = queue.mode === 'test' ? [undefined] : deploymentsOf(this.#options.upstreams, queue.model);
+    if (upstreams.length === 0) {
+      // Its requests wait for a worker configured with an upstream that serves the model, or their deadline.
+      this.#log.error({ queueId: queue.id, model: queue.model }, 'no upstream this worker knows serves a model with requests waiting (UPSTREAMS_FILE)');
     }
-    const upstream = this.#options.upstreams.find((candidate) => candidate.name === lane.upstream);
-    if (!upstream) {
-      // Its requests wait for a worker configured with that upstream.
-      this.#log.error({ laneId: lane.id, upstream: lane.upstream }, 'a lane names an upstream this worker does not know (UPSTREAMS_FILE)');
-      return null;
-    }
-    return { target: { mode: 'live', upstream, modelLabel: modelLabel(upstream, lane.model) }, limits: upstream.limits };
+    const laneIds = await ensureLanes(this.#options.db, queue, upstreams.map((upstream) => upstream?.name ?? SIMULATOR));
+    const deployments = upstreams.map((upstream, index): Deployment => {
+      const target: CallTarget =
+        upstream === undefined
+          ? { mode: 'test', upstream: undefined, model: undefined, modelLabel: SIMULATOR }
+          : { mode: 'live', upstream, model: renamedFor(upstream, queue.model), modelLabel: modelLabel(upstream, queue.model) };
+      return { laneId: laneIds[index]!, target, limits: upstream?.limits ?? NO_LIMITS };
+    });
+    return { mode: queue.mode, model: queue.model, deployments, lanes: new Map(deployments.map((deployment) => [deployment.laneId, deployment])) };
   }
 
   #db<T>(statement: () => Promise<T>): Promise<T> {
@@ -288,6 +363,12 @@ export class Dispatcher {
       log: { logger: this.#log, message: 'database unavailable; retrying' },
     });
   }
+}
+
+/** The upstream's own name for the model when the file renames it; undefined when the body is sent as stored. */
+function renamedFor(upstream: Upstream, model: string): string | undefined {
+  const own = upstreamModel(upstream, model);
+  return own === model ? undefined : own;
 }
 
 function abortTimedOut(controller: AbortController): void {

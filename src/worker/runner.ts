@@ -1,6 +1,7 @@
-// The worker role's graphile-worker pool: dispatch_lane jobs (each wakes a lane; the dispatcher
-// starts what the lane has room for, and the job ends as soon as the calls are started),
-// deliver_webhook jobs (each starts one try of a webhook message: webhooks/deliverer.ts), and the
+// The worker role's graphile-worker pool: dispatch_queue jobs (each wakes a model's queue; the
+// dispatcher starts what its lanes have room for, and the job ends as soon as the calls are started),
+// deliver_webhook jobs (each starts one try of a webhook message: webhooks/deliverer.ts) and
+// wake_webhook_endpoint jobs (each starts the tries of an endpoint's waiting messages), and the
 // periodic cleanup tasks (graphile-worker's cron: each runs once per period across all workers).
 // Its jobs are all short: upstream calls and webhook tries in flight hold no graphile-worker slot.
 import type { RunnerOptions, Task } from 'graphile-worker';
@@ -8,16 +9,24 @@ import type pg from 'pg';
 import * as v from 'valibot';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
-import { DISPATCH_LANE, DispatchLanePayload, PROCESS_REQUEST, ProcessRequestPayload } from '../lanes/jobs.ts';
+import {
+  DISPATCH_LANE,
+  DISPATCH_QUEUE,
+  DispatchLanePayload,
+  DispatchQueuePayload,
+  PROCESS_REQUEST,
+  ProcessRequestPayload,
+} from '../lanes/jobs.ts';
+import { findLaneQueue } from '../lanes/repository.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
-import { findRequestLane } from './attempts-repository.ts';
+import { findRequestQueue } from './attempts-repository.ts';
 import { CLEANUP_NONCES, cleanupNoncesTask } from './cleanup-nonces.ts';
 import type { Dispatcher } from './dispatcher.ts';
 import { graphileLogger } from '../db/graphile-logger.ts';
 import { RETENTION, retentionTask } from './retention.ts';
 import type { WebhookDeliverer } from '../webhooks/deliverer.ts';
-import { DELIVER_WEBHOOK, DeliverWebhookPayload } from '../webhooks/jobs.ts';
+import { DELIVER_WEBHOOK, DeliverWebhookPayload, WAKE_WEBHOOK_ENDPOINT, WakeWebhookEndpointPayload } from '../webhooks/jobs.ts';
 
 export interface WorkerDeps {
   config: Config;
@@ -53,17 +62,25 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
     logger: graphileLogger(deps.logger),
     crontab: [`*/5 * * * * ${CLEANUP_NONCES}`, `*/10 * * * * ${RETENTION}`].join('\n'),
     taskList: {
-      [DISPATCH_LANE]: payloadTask(DISPATCH_LANE, DispatchLanePayload, deps.logger, (payload) =>
-        deps.dispatcher.dispatch(payload.lane_id),
+      [DISPATCH_QUEUE]: payloadTask(DISPATCH_QUEUE, DispatchQueuePayload, deps.logger, (payload) =>
+        deps.dispatcher.dispatch(payload.queue_id),
       ),
-      // A job naming one request (lanes/jobs.ts): it wakes the request's lane.
+      // Jobs of an older schema (lanes/jobs.ts), naming a lane or a request: they wake its queue.
+      [DISPATCH_LANE]: payloadTask(DISPATCH_LANE, DispatchLanePayload, deps.logger, async (payload) => {
+        const queueId = await findLaneQueue(deps.db, payload.lane_id);
+        if (queueId) await deps.dispatcher.dispatch(queueId);
+      }),
       [PROCESS_REQUEST]: payloadTask(PROCESS_REQUEST, ProcessRequestPayload, deps.logger, async (payload) => {
-        const laneId = await findRequestLane(deps.db, payload.request_id);
-        if (laneId) await deps.dispatcher.dispatch(laneId);
+        const queueId = await findRequestQueue(deps.db, payload.request_id);
+        if (queueId) await deps.dispatcher.dispatch(queueId);
       }),
       // Starts one try of a webhook message; the job ends once the try is under way (it holds no slot).
       [DELIVER_WEBHOOK]: payloadTask(DELIVER_WEBHOOK, DeliverWebhookPayload, deps.logger, (payload) =>
-        deps.deliverer.deliver(payload.message_id),
+        deps.deliverer.deliver(payload.message_id, payload.endpoint_id),
+      ),
+      // Starts the tries of an endpoint's messages that waited for room or for its backoff.
+      [WAKE_WEBHOOK_ENDPOINT]: payloadTask(WAKE_WEBHOOK_ENDPOINT, WakeWebhookEndpointPayload, deps.logger, (payload) =>
+        deps.deliverer.wake(payload.endpoint_id, payload.deferrals),
       ),
       [CLEANUP_NONCES]: cleanupNoncesTask({ db: deps.db, logger: deps.logger }),
       [RETENTION]: retentionTask({ db: deps.db, config: deps.config, logger: deps.logger }),

@@ -9,15 +9,20 @@
 //   instead of after graphile-worker's 4 h, and its attempts still running are recorded as
 //   worker_lost and retried, and its webhook tries under way recorded as failed and made again.
 //   A process never sweeps its own current pool nor its own attempts and tries (after an outage
-//   its heartbeat is stale too).
+//   its heartbeat is stale too);
+// - expires, about once a second, the requests whose deadline has passed (deadlines.ts);
+// - prunes, every tenth of PRUNE_IDLE_QUEUES_AFTER (a minute at most), the queues and lanes that
+//   nothing refers to and nobody has used for that long (prune.ts).
 // A stopping worker keeps beating for its dispatcher until its calls and webhook tries in flight
 // have landed (SHUTDOWN_GRACE_MS at most), so that no other worker takes them for lost meanwhile.
 import { EventEmitter } from 'node:events';
 import { run, type Runner, type WorkerEvents } from 'graphile-worker';
 import { Backoff } from '../backoff.ts';
-import { errorSummary } from '../db/pool.ts';
+import { errorSummary, isDatabaseUnavailable } from '../db/pool.ts';
 import { findLostAttempts } from './attempts-repository.ts';
 import type { Attempts } from './attempts.ts';
+import { expireOverdue } from './deadlines.ts';
+import { pruneQueues } from './prune.ts';
 import type { WorkerDeps } from './runner.ts';
 import { runnerOptions } from './runner.ts';
 import { beat, release, sweep } from './supervisor-repository.ts';
@@ -28,6 +33,11 @@ const RESTART_MAX_MS = 2_000;
 const HEALTHY_AFTER_MS = 30_000;
 // Lost attempts recorded per sweep at most; the next sweep takes the rest.
 const RECOVERY_BATCH = 1_000;
+// How often requests past their deadline are looked for: they fail within about this much of it.
+const EXPIRY_INTERVAL_MS = 1_000;
+// How often idle queues are looked for, at most: a queue left idle is deleted within
+// PRUNE_IDLE_QUEUES_AFTER and a tenth of it (a minute, when that is shorter).
+const PRUNE_INTERVAL_MAX_MS = 60_000;
 
 export interface WorkerService {
   stop(): Promise<void>;
@@ -105,11 +115,14 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       .finally(() => beating.delete(beaten));
     beating.add(beaten);
   }, beatMs);
+  // Sweeps under way, awaited by stop(): one must not go on with the attempts and the pool
+  // after they are closed.
+  const sweeping = new Set<Promise<void>>();
   const sweeper = setInterval(() => {
     // Never our own live pool nor our own attempts: our heartbeat may be stale only because the
     // database was out of reach, while our attempts are still running here.
     const live = [dispatcher.workerId, ...(current ? [current.poolId] : [])];
-    sweep(deps.db, deadAfterMs, live)
+    const swept: Promise<void> = sweep(deps.db, deadAfterMs, live)
       .then(async (released) => {
         if (released.length > 0) log.warn({ workers: released }, 'released the jobs of dead workers');
         const lost = await findLostAttempts(deps.db, deadAfterMs, live, RECOVERY_BATCH);
@@ -117,8 +130,44 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
         // Their webhook tries too: recorded as failed, and made again at once.
         await deps.deliverer.recoverLost(deadAfterMs, live, RECOVERY_BATCH);
       })
-      .catch((error: unknown) => log.debug({ err: errorSummary(error) }, 'sweep failed'));
+      .catch((error: unknown) => log.debug({ err: errorSummary(error) }, 'sweep failed'))
+      .finally(() => sweeping.delete(swept));
+    sweeping.add(swept);
   }, beatMs);
+  // One expiry at a time in this process: a run that outlasts the interval (a backlog, a slow
+  // database) is not joined by another. Stopping aborts it between batches, and awaits it.
+  let expiring: Promise<void> | undefined;
+  const stopExpiring = new AbortController();
+  const expirer = setInterval(() => {
+    if (expiring) return;
+    expiring = expireOverdue(deps, stopExpiring.signal)
+      .then(
+        () => {},
+        // (the database being out of reach is logged by those who wait for it)
+        (error: unknown) =>
+          log[isDatabaseUnavailable(error) ? 'debug' : 'warn']({ err: errorSummary(error) }, 'deadline expiry failed'),
+      )
+      .finally(() => {
+        expiring = undefined;
+      });
+  }, EXPIRY_INTERVAL_MS);
+  // Pruning alike: one run at a time, aborted between batches by stop(), and awaited.
+  const idleMs = deps.config.pruneIdleQueuesAfterMs;
+  let pruning: Promise<void> | undefined;
+  const stopPruning = new AbortController();
+  const pruner = setInterval(() => {
+    if (pruning) return;
+    pruning = pruneQueues(deps, idleMs, stopPruning.signal)
+      .then(
+        // Their routes are forgotten here; other processes forget theirs as they remember newer ones.
+        (pruned) => dispatcher.forgetQueues(pruned),
+        (error: unknown) =>
+          log[isDatabaseUnavailable(error) ? 'debug' : 'warn']({ err: errorSummary(error) }, 'pruning idle queues failed'),
+      )
+      .finally(() => {
+        pruning = undefined;
+      });
+  }, Math.min(PRUNE_INTERVAL_MAX_MS, Math.floor(idleMs / 10)));
 
   try {
     await beat(deps.db, [dispatcher.workerId]);
@@ -126,6 +175,13 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
   } catch (error) {
     clearInterval(heartbeat);
     clearInterval(sweeper);
+    clearInterval(expirer);
+    clearInterval(pruner);
+    stopExpiring.abort();
+    stopPruning.abort();
+    await expiring;
+    await pruning;
+    await Promise.all(sweeping);
     throw error;
   }
 
@@ -134,6 +190,10 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       stopping = true;
       clearTimeout(restartTimer);
       clearInterval(sweeper);
+      clearInterval(expirer);
+      clearInterval(pruner);
+      stopExpiring.abort();
+      stopPruning.abort();
       // Calls in flight get SHUTDOWN_GRACE_MS to finish, then are aborted and handed back
       // (recorded as worker_lost and retried at once elsewhere); the pool's dispatches meanwhile
       // hand their lanes to other workers.
@@ -151,6 +211,9 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       current = undefined;
       await flightsLanded;
       await triesLanded;
+      await expiring;
+      await pruning;
+      await Promise.all(sweeping);
       clearInterval(heartbeat);
       await Promise.all(beating);
       if (!pool) {

@@ -1,5 +1,5 @@
 // Plans follow the tables' growth (db/pool.ts, REPLAN_EVERY): a connection that planned the
-// claim (gateway.claim_lane's statements) and the finish while the tables were nearly empty, and
+// claim (gateway.claim_queue's statements) and the finish while the tables were nearly empty, and
 // so planned them to read every row of the group's table, plans them again within REPLAN_EVERY
 // statements, and then reads only the group's rows, through the indexes.
 import { sql } from 'kysely';
@@ -7,7 +7,8 @@ import type pg from 'pg';
 import t, { type Test } from 'tap';
 import { createDb, createPool, type Db, REPLAN_EVERY } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
-import { claimLane } from '../../src/lanes/repository.ts';
+import { LANE_HEALTH } from '../../src/lanes/health.ts';
+import { claimQueue } from '../../src/lanes/repository.ts';
 import { findRequests } from '../../src/requests/read-repository.ts';
 import { NO_LIMITS } from '../../src/upstream/upstreams.ts';
 import { finishAttempts } from '../../src/worker/attempts-repository.ts';
@@ -29,35 +30,39 @@ t.test('a group claimed and finished after the tables grew does not scan them wh
       insert into gateway.api_keys (id, project_id, mode, key_sha256, key_hint, signing_secret_ciphertext)
       select 'key_grownGrownGrownGrown1', id, 'test', sha256('k'), 'k', '\\x00' from project returning id, project_id
     )
-    insert into gateway.lanes (mode, upstream, model) values ('test', 'simulator', '*')`);
+    , queue as (insert into gateway.queues (mode, model) values ('test', '*') returning id)
+    insert into gateway.lanes (mode, upstream, model, queue_id) select 'test', 'simulator', '*', id from queue`);
 
   // Enough runs of small groups on nearly empty tables for the statements to settle on their
   // generic plans (and far fewer statements than REPLAN_EVERY, up to the check of those plans).
   for (let run = 0; run < 10; run++) {
     await plant(pool, `req_early${String(run).padStart(20, '0')}`, 'queued');
-    const claim = await claimLane(db, LANE, 2, 'w', NO_LIMITS);
+    const claim = await claimQueue(db, QUEUE, 2, 'w', DEPLOYMENTS);
     t.equal(claim.started.length, 1, 'the one queued request is claimed');
     t.same(
       await finishAttempts(
         db,
-        claim.started.map((started) => ({ kind: 'completed', id: started.id, attempt: 1, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
-      ),
+        claim.started.map((started) => ({ kind: 'completed', id: started.id, attempt: 1, laneId: started.laneId, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
+        SETTINGS,
+      ).then(applied),
       [true],
     );
     const absent = [`req_absent${String(run).padStart(20, '0')}`, `req_absent${String(run + 100).padStart(20, '0')}`];
     t.same(
       await finishAttempts(
         db,
-        absent.map((id) => ({ kind: 'completed', id, attempt: 1, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
-      ),
+        absent.map((id) => ({ kind: 'completed', id, attempt: 1, laneId: LANE, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
+        SETTINGS,
+      ).then(applied),
       [false, false],
     );
   }
 
   await pool.query(`
-    insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256, lane_id, next_attempt_at)
+    insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256, queue_id, lane_id, next_attempt_at)
     select 'req_grown' || lpad(n::text, 20, '0'), keys.project_id, 'test', keys.id,
-           case when n % 2 = 0 then 'queued' else 'processing' end, 'm', '{}', sha256('b'), ${LANE},
+           case when n % 2 = 0 then 'queued' else 'processing' end, 'm', '{}', sha256('b'), ${QUEUE},
+           case when n % 2 = 0 then null else ${LANE} end,
            case when n % 2 = 0 then now() - interval '1 hour' end
     from gateway.api_keys as keys, generate_series(1, ${ROWS}) as n`);
   await pool.query(`
@@ -78,14 +83,18 @@ t.test('a group claimed and finished after the tables grew does not scan them wh
   t.ok(fresh.requestsRead < 200, `and ${fresh.requestsRead} rows of requests read for the group, not the whole queue`);
 });
 
+const QUEUE = '1';
 const LANE = '1';
+const DEPLOYMENTS = [{ laneId: LANE, limits: NO_LIMITS }];
+const SETTINGS = { maxAttempts: 5, health: LANE_HEALTH };
+const applied = (result: { finished: unknown[] }) => result.finished.map((finished) => finished !== null);
 const NO_USAGE = { prompt: null, completion: null, total: null };
 const grown = (n: number) => `req_grown${String(n).padStart(20, '0')}`;
 
 async function plant(pool: pg.Pool, id: string, status: 'queued'): Promise<void> {
   await pool.query(
-    `insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256, lane_id, next_attempt_at)
-     select $1, project_id, 'test', id, $2, 'm', '{}', sha256('b'), ${LANE}, now() from gateway.api_keys`,
+    `insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256, queue_id, next_attempt_at)
+     select $1, project_id, 'test', id, $2, 'm', '{}', sha256('b'), ${QUEUE}, now() from gateway.api_keys`,
     [id, status],
   );
 }
@@ -109,18 +118,19 @@ async function groupScans(t: Test, db: Db, index: number): Promise<{ scans: Reco
       return Object.assign((table: string) => Number(of(table)?.seq_scan ?? 0), { read: (table: string) => Number(of(table)?.tuples_read ?? 0) });
     };
     const before = await seqScans();
-    const claim = await claimLane(trx, LANE, GROUP, 'w', NO_LIMITS);
+    const claim = await claimQueue(trx, QUEUE, GROUP, 'w', DEPLOYMENTS);
 
     t.same(
       claim.started.map((attempt) => attempt.attempt),
       group.map(() => 1),
       'a group of queued requests was claimed',
     );
-    const applied = await finishAttempts(
+    const finished = await finishAttempts(
       trx,
-      group.map((n) => ({ kind: 'completed', id: grown(2 * n - 1), attempt: 1, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
+      group.map((n) => ({ kind: 'completed', id: grown(2 * n - 1), attempt: 1, laneId: LANE, result: '{}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 })),
+      SETTINGS,
     );
-    t.same(applied, group.map(() => true), 'every running attempt of the group was finished');
+    t.same(applied(finished), group.map(() => true), 'every running attempt of the group was finished');
     const after = await seqScans();
     return {
       scans: Object.fromEntries(['requests', 'request_attempts'].map((table) => [table, after(table) - before(table)])),

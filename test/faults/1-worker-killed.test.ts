@@ -118,7 +118,7 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt and r
   t.comment(`next attempt after the kill, the ${lost.length} whose attempt was lost: ${spread(lostRecovery)}`);
   t.comment(`attempts per request: ${tally(requests.map((request) => request.attempts))}; last_error_code: ${tally(requests.map((request) => request.last_error_code ?? 'null'))}`);
 
-  t.equal((await dispatchJobs(faults.db)).length, 0, 'no dispatch_lane job is left behind, locked or not');
+  t.equal((await dispatchJobs(faults.db)).length, 0, 'no dispatch_queue job is left behind, locked or not');
 
   const attemptsAtEnd = new Map(atEnd.map((request) => [request.id, request.attempt_rows.length]));
   t.same(
@@ -196,7 +196,7 @@ t.test('a --role all process killed with 200 wait=true requests running in it: e
   t.comment(`next attempt after the kill (dead after ${DEAD_AFTER_MS} ms): ${spread(recovery)}`);
 
   await sleep(1_000);
-  t.equal((await dispatchJobs(faults.db)).length, 0, 'no dispatch_lane job is left behind');
+  t.equal((await dispatchJobs(faults.db)).length, 0, 'no dispatch_queue job is left behind');
 
   await faults.finish(t);
 });

@@ -9,6 +9,7 @@ import net from 'node:net';
 import fc from 'fast-check';
 import t from 'tap';
 import { REQUEST_ID } from '../../src/ids.ts';
+import { startFakeUpstream } from '../helpers/upstream.ts';
 import { revokeKey } from '../../src/keys/service.ts';
 import { call, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
@@ -22,9 +23,10 @@ const MAX_BODY_BYTES = 131_072;
 
 t.test('10,000 hostile requests: no 5xx, every error in the contract shape, nothing through without a key and a signature, nothing stored for a refused one', async (t) => {
   const faults = await faultContext(t, '5-hostile-input');
-  // Accepted live-mode requests fail at once (nothing listens upstream, one attempt), so that a
-  // wait=true one is not held for the whole wait.
-  const env = { MAX_BODY_BYTES: String(MAX_BODY_BYTES), WAIT_TIMEOUT_MS: '1000', MAX_ATTEMPTS: '1' };
+  // Accepted live-mode requests fail at once (their upstream refuses every one as a bad request:
+  // the request's own fault, not retried), so that a wait=true one is not held for the whole wait.
+  const upstream = await startFakeUpstream(t, () => ({ status: 400, json: { error: { message: 'refused' } } }));
+  const env = { MAX_BODY_BYTES: String(MAX_BODY_BYTES), WAIT_TIMEOUT_MS: '1000', UPSTREAM_BASE_URL: upstream.baseUrl };
   const gateway = await faults.start('all', { env });
   const keys = {
     a: await faults.createKey({ project: 'faults-hostile', mode: 'test' }),

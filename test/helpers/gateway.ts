@@ -33,7 +33,8 @@ export interface TestGateway {
   waiters: Waiters | undefined;
   /** The API's key cache (undefined for role "worker"). */
   keys: KeyCache | undefined;
-  createKey(options?: { mode?: KeyMode; project?: string }): Promise<CreatedKey>;
+  /** A key as `gateway keys create` makes it (deadlineMs: its --deadline). */
+  createKey(options?: { mode?: KeyMode; project?: string; deadlineMs?: number }): Promise<CreatedKey>;
   stop(): Promise<void>;
 }
 
@@ -103,6 +104,7 @@ export async function startTestGateway(
       createKey(db, config.secretEncryptionKeys[0], {
         project: keyOptions.project ?? 'test-project',
         mode: keyOptions.mode ?? 'test',
+        deadlineMs: keyOptions.deadlineMs,
       }),
     stop,
   };

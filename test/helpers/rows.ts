@@ -1,6 +1,8 @@
 // Reading requests and attempts straight from the database, and waiting for a state.
 import { sql } from 'kysely';
 import type { Db } from '../../src/db/pool.ts';
+import { claimQueue, ensureLanes, findQueue, type QueueClaim } from '../../src/lanes/repository.ts';
+import { DEFAULT_UPSTREAM, NO_LIMITS, SIMULATOR } from '../../src/upstream/upstreams.ts';
 
 export async function requestRow(db: Db, id: string) {
   return db.selectFrom('requests').selectAll().where('id', '=', id).executeTakeFirst();
@@ -20,22 +22,32 @@ export async function countRows(db: Db, table: 'requests' | 'request_attempts' |
   return Number(row.count);
 }
 
-/** The dispatch_lane jobs in the queue (the public jobs view does not show payloads), oldest first. */
-export async function dispatchJobs(db: Db): Promise<{ lane_id: string; run_at: Date }[]> {
-  const { rows } = await sql<{ lane_id: string; run_at: Date }>`
-    select jobs.payload->>'lane_id' as lane_id, jobs.run_at
+/** The dispatch_queue jobs (the public jobs view does not show payloads), oldest first. */
+export async function dispatchJobs(db: Db): Promise<{ queue_id: string; run_at: Date }[]> {
+  const { rows } = await sql<{ queue_id: string; run_at: Date }>`
+    select jobs.payload->>'queue_id' as queue_id, jobs.run_at
     from graphile_worker._private_jobs as jobs
     join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id
-    where tasks.identifier = 'dispatch_lane'
+    where tasks.identifier = 'dispatch_queue'
     order by jobs.id
   `.execute(db);
   return rows;
 }
 
-/** The lane a request waits in (as an int8 string). */
-export async function laneOf(db: Db, id: string): Promise<string> {
-  const row = await db.selectFrom('requests').select('lane_id').where('id', '=', id).executeTakeFirstOrThrow();
-  return row.lane_id!;
+/** The queue a request waits in (as an int8 string). */
+export async function queueOf(db: Db, id: string): Promise<string> {
+  const row = await db.selectFrom('requests').select('queue_id').where('id', '=', id).executeTakeFirstOrThrow();
+  return row.queue_id!;
+}
+
+/**
+ * Claims up to `max` requests of the request's queue as worker `workerId`, on the one lane a
+ * gateway without UPSTREAMS_FILE gives it (the default upstream, or the simulator), without limits.
+ */
+export async function claimQueueOf(db: Db, id: string, max: number, workerId: string): Promise<QueueClaim> {
+  const queue = (await findQueue(db, await queueOf(db, id)))!;
+  const [laneId] = await ensureLanes(db, queue, [queue.mode === 'test' ? SIMULATOR : DEFAULT_UPSTREAM]);
+  return claimQueue(db, queue.id, max, workerId, [{ laneId: laneId!, limits: NO_LIMITS }]);
 }
 
 /** Polls the row until `done` holds; fails with the last row seen after `timeoutMs`. */

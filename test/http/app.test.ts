@@ -10,7 +10,8 @@ import { Listener } from '../../src/db/listener.ts';
 import { createDb, createPool } from '../../src/db/pool.ts';
 import { createApp } from '../../src/http/app.ts';
 import { KeyCache } from '../../src/keys/cache.ts';
-import { LaneRouter } from '../../src/lanes/routing.ts';
+import { KeyReads } from '../../src/keys/reads.ts';
+import { QueueRouter } from '../../src/lanes/routing.ts';
 import { createLogger } from '../../src/logger.ts';
 import { Metrics } from '../../src/metrics.ts';
 import { InsertBatcher } from '../../src/requests/insert-batcher.ts';
@@ -75,7 +76,8 @@ t.test('the app answers health, unknown routes and unauthenticated calls without
     reads: createRequestReads(db),
     waiters: new Waiters(listener),
     keys: new KeyCache(listener),
-    lanes: new LaneRouter(db, config),
+    keyReads: new KeyReads(),
+    queues: new QueueRouter(db, config),
     metrics,
     logger,
   });

@@ -5,14 +5,14 @@
 import t from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
 import { KeyCache } from '../../src/keys/cache.ts';
-import { newKeyId, newSigningSecret } from '../../src/ids.ts';
-import { ensureProject, insertApiKey, revokeKey } from '../../src/keys/repository.ts';
-import { authenticate, type CreatedKey } from '../../src/keys/service.ts';
-import { encryptSecret, hashApiKey } from '../../src/keys/secrets.ts';
+import { revokeKey } from '../../src/keys/repository.ts';
+import { authenticate } from '../../src/keys/service.ts';
+import { hashApiKey } from '../../src/keys/secrets.ts';
 import { createLogger } from '../../src/logger.ts';
 import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
+import { createKnownKey } from '../helpers/keys.ts';
 import { startSilentProxy } from '../helpers/silent-proxy.ts';
 import { until } from '../helpers/wait.ts';
 
@@ -123,16 +123,16 @@ t.test('requests that miss the same key at once share one read of it', async (t)
   pool.on('acquire', () => acquired++);
   const db = createDb(pool);
 
-  const auths = await Promise.all(Array.from({ length: 20 }, () => authenticate(db, `Bearer ${key.api_key}`, cache)));
+  const auths = await Promise.all(Array.from({ length: 20 }, () => authenticate(db, `Bearer ${key.api_key}`, { cache })));
   t.equal(acquired, 1, 'one read for 20 requests');
   t.ok(auths.every((auth) => auth === auths[0] && auth.keyId === key.id), 'all got the key');
   t.equal(cache.size, 1);
 
-  await authenticate(db, `Bearer ${key.api_key}`, cache);
+  await authenticate(db, `Bearer ${key.api_key}`, { cache });
   t.equal(acquired, 1, 'then it is served from the cache');
 
   cache.clear();
-  const refused = Array.from({ length: 5 }, () => authenticate(db, `Bearer svc_test_${'0'.repeat(32)}`, cache));
+  const refused = Array.from({ length: 5 }, () => authenticate(db, `Bearer svc_test_${'0'.repeat(40)}`, { cache }));
   for (const attempt of refused) await t.rejects(attempt, { code: 'invalid_api_key' });
   t.equal(acquired, 2, 'an unknown key is read once for the 5 requests too');
   t.equal(cache.size, 0, 'and is no entry of the cache');
@@ -151,7 +151,7 @@ t.test('an unknown key costs one read however often it comes, and a key created 
   const apiKey = `svc_test_${'U'.repeat(40)}`;
   const codes: string[] = [];
   const attempt = () =>
-    authenticate(db, `Bearer ${apiKey}`, cache, () => unknown++).then(
+    authenticate(db, `Bearer ${apiKey}`, { cache, onUnknown: () => unknown++ }).then(
       () => codes.push('accepted'),
       (error: { code: string }) => codes.push(error.code),
     );
@@ -183,22 +183,6 @@ t.test('an unknown key costs one read however often it comes, and a key created 
   t.equal(cache.misses, 0, 'the miss is forgotten');
 });
 
-/** A key with the given API key (createKey draws one at random), stored as createKey stores one. */
-async function createKnownKey(gateway: TestGateway, apiKey: string): Promise<CreatedKey> {
-  const id = newKeyId();
-  const signingSecret = newSigningSecret();
-  const projectId = await ensureProject(gateway.db, 'test-project');
-  await insertApiKey(gateway.db, {
-    id,
-    project_id: projectId,
-    mode: 'test',
-    key_sha256: hashApiKey(apiKey),
-    key_hint: apiKey.slice(-4),
-    signing_secret_ciphertext: encryptSecret(signingSecret, id, gateway.config.secretEncryptionKeys[0]!),
-  });
-  return { id, project: 'test-project', mode: 'test', api_key: apiKey, signing_secret: signingSecret };
-}
-
 /** A stand-in for the LISTEN connection: announcements are made by hand. */
 function fakeListener() {
   const handlers: { notification(payload: string): void }[] = [];
@@ -214,7 +198,7 @@ t.test('a key created while it is being read is not remembered missing, and is r
   const listener = fakeListener();
   const cache = new KeyCache(listener);
   const sha = hashApiKey(`svc_test_${'c'.repeat(32)}`);
-  const auth = { keyId: 'key_createdDuringTheRead000', projectId: '1', mode: 'test' as const, signingSecretCiphertext: Buffer.alloc(1) };
+  const auth = { keyId: 'key_createdDuringTheRead000', projectId: '1', mode: 'test' as const, signingSecretCiphertext: Buffer.alloc(1), requestDeadlineMs: undefined };
   let finishMiss!: () => void;
   const missing = cache.read(sha, () => new Promise((resolve) => (finishMiss = () => resolve(undefined))));
   listener.announce(`created:${auth.keyId}`);
@@ -262,7 +246,7 @@ t.test('a miss after an invalidation does not join a read begun before it', asyn
   const gateway = await startTestGateway(t, { role: 'api' });
   const cache = gateway.keys!;
   const sha = hashApiKey(`svc_test_${'a'.repeat(32)}`);
-  const auth = (keyId: string) => ({ keyId, projectId: '1', mode: 'test' as const, signingSecretCiphertext: Buffer.alloc(1) });
+  const auth = (keyId: string) => ({ keyId, projectId: '1', mode: 'test' as const, signingSecretCiphertext: Buffer.alloc(1), requestDeadlineMs: undefined });
   let finishFirst!: () => void;
   let reads = 0;
   const first = cache.read(sha, async () => {

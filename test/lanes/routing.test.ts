@@ -1,24 +1,14 @@
 // Routing by model (UPSTREAMS_FILE), what is refused before anything is stored, and usage: the
 // tokens of each completion stored with its request, summed by gateway.usage_daily, corrected
 // into its lane's token allowance, and counted in the metrics.
-import { mkdtemp, writeFile } from 'node:fs/promises';
-import { tmpdir } from 'node:os';
-import path from 'node:path';
-import t, { type Test } from 'tap';
+import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { countRows } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { upstreamsFile } from '../helpers/upstreams-file.ts';
 
-async function upstreamsFile(t: Test, upstreams: unknown[]): Promise<string> {
-  const directory = await mkdtemp(path.join(tmpdir(), 'gateway-routing-'));
-  t.teardown(() => import('node:fs/promises').then((fs) => fs.rm(directory, { recursive: true, force: true })));
-  const file = path.join(directory, 'upstreams.json');
-  await writeFile(file, JSON.stringify({ upstreams }));
-  return file;
-}
-
-t.test('a live request goes to the first upstream whose models match, with that upstream\'s key', async (t) => {
+t.test('a live request runs on the first of its model\'s deployments, with that upstream\'s key', async (t) => {
   const alpha = await startFakeUpstream(t);
   const beta = await startFakeUpstream(t);
   const file = await upstreamsFile(t, [
@@ -37,13 +27,19 @@ t.test('a live request goes to the first upstream whose models match, with that 
   t.same(beta.calls.map((call) => call.body.model), ['gpt-4o-mini', 'llama'], 'the rest to the catch-all');
   t.ok(alpha.calls.every((call) => call.headers.authorization === 'Bearer sk-alpha-secret'));
   t.ok(beta.calls.every((call) => call.headers.authorization === 'Bearer sk-beta-secret'));
-  const { rows } = await gateway.pool.query('select upstream, model from gateway.lanes order by id');
+  const { rows } = await gateway.pool.query(
+    'select upstream, model, deployment from gateway.lanes order by model, deployment',
+  );
   t.same(rows, [
-    { upstream: 'alpha', model: 'gpt-4o' },
-    { upstream: 'alpha', model: 'o3-mini' },
-    { upstream: 'beta', model: 'gpt-4o-mini' },
-    { upstream: 'beta', model: 'llama' },
-  ], 'one lane per upstream and model');
+    { upstream: 'alpha', model: 'gpt-4o', deployment: 1 },
+    { upstream: 'beta', model: 'gpt-4o', deployment: 2 },
+    { upstream: 'beta', model: 'gpt-4o-mini', deployment: 1 },
+    { upstream: 'beta', model: 'llama', deployment: 1 },
+    { upstream: 'alpha', model: 'o3-mini', deployment: 1 },
+    { upstream: 'beta', model: 'o3-mini', deployment: 2 },
+  ], 'one lane per deployment of each model, in the file\'s order');
+  const attempts = await gateway.pool.query('select upstream, count(*)::int as attempts from gateway.request_attempts group by upstream order by upstream');
+  t.same(attempts.rows, [{ upstream: 'alpha', attempts: 2 }, { upstream: 'beta', attempts: 2 }], 'each attempt names its upstream');
   t.notOk(gateway.logs.some((line) => line.includes('sk-alpha-secret') || line.includes('sk-beta-secret')), 'no key in the logs');
 });
 
@@ -61,8 +57,10 @@ t.test('a model no upstream serves is a 400 naming model, and nothing is stored'
     param: 'model',
   });
   t.equal(await countRows(gateway.db, 'requests'), 0, 'no request');
-  const { rows } = await gateway.pool.query('select (select count(*)::int from gateway.signature_nonces) as nonces, (select count(*)::int from gateway.lanes) as lanes');
-  t.same(rows[0], { nonces: 0, lanes: 0 }, 'no nonce, no lane');
+  const { rows } = await gateway.pool.query(
+    'select (select count(*)::int from gateway.signature_nonces) as nonces, (select count(*)::int from gateway.queues) as queues, (select count(*)::int from gateway.lanes) as lanes',
+  );
+  t.same(rows[0], { nonces: 0, queues: 0, lanes: 0 }, 'no nonce, no queue, no lane');
   t.equal(upstream.calls.length, 0);
 });
 

@@ -5,9 +5,10 @@
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
+import { plantRequest } from '../helpers/populate.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { spawnServe } from '../helpers/serve.ts';
-import { signature } from '../helpers/signing.ts';
+import { newNonce, signature } from '../helpers/signing.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 import { addTestEndpoint, startReceiver } from '../webhooks/support.ts';
@@ -151,6 +152,41 @@ t.test('a cancel is signed, takes no body, and its nonce is accepted once', asyn
   const replayed = await signed();
   t.equal(replayed.status, 401, 'the same signed cancel again is a replay');
   t.match(replayed.body.error, { code: 'replayed_request' });
+});
+
+t.test('a refused cancel (404, 409) leaves no nonce behind; a successful one consumes it, once however many race', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const key = await api.createKey();
+  /** The same signed cancel each time it is called: one nonce. */
+  const signedCancel = (id: string, nonce = newNonce()) => {
+    const path = `/v1/requests/${id}/cancel`;
+    const header = signature({ secret: key.signing_secret, method: 'POST', path, nonce });
+    return { nonce, send: () => send(api.url, { method: 'POST', path, key: key.api_key, headers: { 'svc-signature': header } }) };
+  };
+  const stored = async (nonce: string) =>
+    Number((await api.pool.query('select count(*) from gateway.signature_nonces where nonce = $1', [nonce])).rows[0].count);
+
+  const completed = await plantRequest(api, key, { status: 'completed' });
+  const refusals: [string, number][] = [['req_00000000000000000000', 404], ['not-an-id', 404], [completed.id, 409]];
+  for (const [id, status] of refusals) {
+    const cancel = signedCancel(id);
+    t.equal((await cancel.send()).status, status, `${id}: ${status}`);
+    t.equal(await stored(cancel.nonce), 0, `${id}: its nonce is not stored`);
+    t.equal((await cancel.send()).status, status, `${id}: the same signed cancel again is answered alike, not as a replay`);
+  }
+
+  const queued = await plantRequest(api, key, { status: 'queued' });
+  const cancel = signedCancel(queued.id);
+  t.equal((await cancel.send()).status, 200);
+  t.equal(await stored(cancel.nonce), 1, 'a successful cancel stores its nonce');
+  t.match((await cancel.send()).body.error, { code: 'replayed_request' }, 'and its replay is refused');
+
+  // The same signed cancel sent several times at once: one cancels, the others are replays.
+  for (let round = 0; round < 5; round++) {
+    const racing = signedCancel((await plantRequest(api, key, { status: 'queued' })).id);
+    const answers = await Promise.all([racing.send(), racing.send(), racing.send()]);
+    t.same(answers.map((answer) => answer.status).sort(), [200, 401, 401], `round ${round}: exactly one succeeds`);
+  }
 });
 
 t.test('a cancel racing the upstream\'s answer: each request ends cancelled or completed, never both, and its webhook says which', async (t) => {

@@ -3,6 +3,7 @@
 import t from 'tap';
 import { newRequestId } from '../../src/ids.ts';
 import { InsertBatcher } from '../../src/requests/insert-batcher.ts';
+import type { InsertResult } from '../../src/requests/insert-repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { send } from '../helpers/http.ts';
 import { countRows, dispatchJobs } from '../helpers/rows.ts';
@@ -12,7 +13,7 @@ async function setup(t: Parameters<typeof startTestGateway>[0]) {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
   const { rows } = await gateway.pool.query('select project_id from gateway.api_keys where id = $1', [key.id]);
-  const lane = await gateway.pool.query(`insert into gateway.lanes (mode, upstream, model) values ('test', 'simulator', '*') returning id`);
+  const queue = await gateway.pool.query(`insert into gateway.queues (mode, model) values ('test', '*') returning id`);
   const request = (overrides: Record<string, unknown> = {}) => ({
     id: newRequestId(),
     project_id: rows[0].project_id as string,
@@ -22,15 +23,16 @@ async function setup(t: Parameters<typeof startTestGateway>[0]) {
     body: '{"model":"m","messages":[]}',
     body_sha256: Buffer.alloc(32, 1),
     idempotency_key: null,
-    lane_id: lane.rows[0].id as string,
+    queue_id: queue.rows[0].id as string,
     prompt_tokens_estimate: null,
+    deadline_ms: 86_400_000,
     ...overrides,
   });
-  return { gateway, key, request, laneId: lane.rows[0].id as string };
+  return { gateway, key, request, queueId: queue.rows[0].id as string };
 }
 
-t.test('concurrent inserts share statements; each gets its own row, and each statement wakes the lane', async (t) => {
-  const { gateway, request, laneId } = await setup(t);
+t.test('concurrent inserts share statements; each gets its own row, and each statement wakes the queue', async (t) => {
+  const { gateway, request, queueId } = await setup(t);
   const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1 });
   const requests = Array.from({ length: 200 }, () => request());
   const results = await Promise.all(requests.map((r) => batcher.insert(r, undefined)));
@@ -39,8 +41,8 @@ t.test('concurrent inserts share statements; each gets its own row, and each sta
   t.ok(batcher.stats.statements < 20, `200 inserts in ${batcher.stats.statements} statements`);
   t.equal(await countRows(gateway.db, 'requests'), 200);
   const jobs = await dispatchJobs(gateway.db);
-  t.equal(jobs.length, batcher.stats.statements, 'one dispatch of the lane per statement');
-  t.ok(jobs.every((job) => job.lane_id === laneId), 'of their lane');
+  t.equal(jobs.length, batcher.stats.statements, 'one dispatch of the queue per statement');
+  t.ok(jobs.every((job) => job.queue_id === queueId), 'of their queue');
   const waiting = await gateway.pool.query(`select count(*)::int as count from gateway.requests where status = 'queued' and next_attempt_at <= now()`);
   t.equal(waiting.rows[0].count, 200, 'every request queued and due');
 });
@@ -99,4 +101,25 @@ t.test('50 inserts of 1 MiB bodies at once are written in several statements of 
   t.ok(groups.length >= 4, `${groups.length} statements`);
   const { rows } = await gateway.pool.query('select count(*)::int as count, min(octet_length(body::text))::int as bytes from gateway.requests');
   t.same(rows[0], { count: 50, bytes: Buffer.byteLength(requests[0]!.body) }, 'every body stored whole');
+});
+
+t.test('a small request is not held up behind large ones: bodies over 64 KiB are written apart, a statement at a time', async (t) => {
+  const { gateway, request } = await setup(t);
+  const batcher = new InsertBatcher(gateway.db, { maxInFlight: 2 });
+  const content = 'x'.repeat(3 * 1024 * 1024);
+  // 36 MiB of bodies: statements of 16 MiB at most, which one after another take a while.
+  const large = Array.from({ length: 12 }, (_, i) => request({ body: JSON.stringify({ model: 'm', messages: [{ role: 'user', content: `${i}${content}` }] }) }));
+  const order: string[] = [];
+  const stored = (what: string) => (result: InsertResult) => {
+    order.push(what);
+    return result;
+  };
+  const results = await Promise.all([
+    ...large.map((r) => batcher.insert(r, undefined).then(stored('large'))),
+    batcher.insert(request(), undefined).then(stored('small')),
+  ]);
+  t.ok(results.every((result) => result.kind === 'inserted'), 'every one inserted');
+  // Queued behind them, it would be stored last; apart, beside the first large one at most.
+  t.ok(order.indexOf('small') <= 1, `the small one, sent last, was stored first or second (order: ${order.join(', ')})`);
+  t.equal(await countRows(gateway.db, 'requests'), 13);
 });

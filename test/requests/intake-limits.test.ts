@@ -1,4 +1,4 @@
-// Intake limits over HTTP (CONTRACT.md section 10): RATE_LIMIT_RPS with a burst of twice that,
+// Intake limits over HTTP: RATE_LIMIT_RPS with a burst of twice that,
 // lookups with their own limit, MAX_UNFINISHED_PER_PROJECT, each a 429 rate_limit_exceeded with
 // retry-after that stores nothing; and the rate holding across two API processes.
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -28,6 +28,17 @@ t.test('RATE_LIMIT_RPS: a burst of twice the rate, then 429 with retry-after; no
 
   await sleep(1_100);
   t.equal((await client.post({ model: 'test-echo', messages: userMessage() })).status, 202, 'accepted again after retry-after');
+});
+
+t.test('a flood of invented model names refused by RATE_LIMIT_RPS creates no queue for them', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { RATE_LIMIT_RPS: '2' } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const answers = [];
+  for (let i = 0; i < 20; i++) answers.push(await client.post({ model: `invented-${i}`, messages: userMessage() }));
+  const accepted = answers.filter((answer) => answer.status === 202).length;
+  t.ok(accepted >= 4 && accepted <= 5, `${accepted} accepted, the rest refused with 429`);
+  const { rows } = await gateway.pool.query('select count(*)::int as count from gateway.queues');
+  t.equal(rows[0].count, accepted, 'one queue per accepted model, none for the refused');
 });
 
 t.test('LOOKUP_RATE_LIMIT_RPS refuses lookups beyond it, with the same 429', async (t) => {

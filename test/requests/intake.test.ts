@@ -51,7 +51,7 @@ async function plantKey(pool: pg.Pool, project: string, mode: KeyMode): Promise<
      values ($1, $2, $3, $4, 'hint', $5)`,
     [keyId, rows[0]!.id, mode, randomBytes(32), ciphertext],
   );
-  return { keyId, projectId: rows[0]!.id, mode, signingSecretCiphertext: ciphertext };
+  return { keyId, projectId: rows[0]!.id, mode, signingSecretCiphertext: ciphertext, requestDeadlineMs: undefined };
 }
 
 /** Stores `count` queued requests of the key's project and mode; returns their ids. */
@@ -334,7 +334,7 @@ t.test('a database out of reach does not fail admissions: they are decided local
   const logger = createLogger({ logLevel: 'debug' }, { write: (line: string) => void lines.push(line) });
   const pool = createPool(`postgres://postgres@127.0.0.1:${port}/nowhere`, { max: 2, applicationName: 'intake-test', logger });
   t.teardown(() => pool.end());
-  const auth: Auth = { keyId: `key_${randomBase62(24)}`, projectId: '1', mode: 'test', signingSecretCiphertext: Buffer.alloc(1) };
+  const auth: Auth = { keyId: `key_${randomBase62(24)}`, projectId: '1', mode: 'test', signingSecretCiphertext: Buffer.alloc(1), requestDeadlineMs: undefined };
   const limits = started(
     t,
     new IntakeLimits(createDb(pool), limitsOf({ rateLimitRps: 10, maxUnfinishedPerProject: 100 }), { logger, syncMs: 20 }),

@@ -22,7 +22,7 @@ t.test('wait=false answers 202 with the acknowledgement, after the row and its l
   t.equal(row?.status, 'queued');
   t.equal(row?.attempts, 0);
   t.ok(row?.next_attempt_at && row.next_attempt_at <= new Date(), 'due at once');
-  t.same((await dispatchJobs(gateway.db)).map((job) => job.lane_id), [row?.lane_id], 'and its lane woken by a dispatch job');
+  t.same((await dispatchJobs(gateway.db)).map((job) => job.queue_id), [row?.queue_id], 'and its queue woken by a dispatch job');
 });
 
 t.test('wait defaults to false', async (t) => {

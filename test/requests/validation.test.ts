@@ -14,6 +14,7 @@ const refused: [name: string, body: unknown, code: string, param: string | null]
   ['model is not a string', { ...valid, model: 5 }, 'invalid_parameter', 'model'],
   ['model is empty', { ...valid, model: '' }, 'invalid_parameter', 'model'],
   ['model is longer than 256 characters', { ...valid, model: 'm'.repeat(257) }, 'invalid_parameter', 'model'],
+  ['model holds a NUL character', { ...valid, model: 'test-\u0000model' }, 'invalid_parameter', 'model'],
   ['messages is not an array', { ...valid, messages: 'hi' }, 'invalid_parameter', 'messages'],
   ['messages is empty', { ...valid, messages: [] }, 'invalid_parameter', 'messages'],
   ['there are 2049 messages', { ...valid, messages: Array(2049).fill(valid.messages[0]) }, 'invalid_parameter', 'messages'],

@@ -6,7 +6,8 @@ import t, { type Test } from 'tap';
 import {
   defaultUpstream,
   loadUpstreamsFile,
-  routeModel,
+  deploymentsOf,
+  upstreamModel,
   UpstreamsFileError,
   type Upstream,
 } from '../../src/upstream/upstreams.ts';
@@ -79,6 +80,7 @@ t.test('a JSON file and the same as YAML give the same upstreams', async (t) => 
       baseUrl: 'https://api.openai.com/v1',
       apiKey: 'sk-openai-secret',
       models: ['gpt-4o', 'gpt-4o-mini', 'o3*'],
+      renames: {},
       limits: { maxConcurrent: 500, requestsPerMinute: 5000, tokensPerMinute: 800000 },
     },
     {
@@ -86,6 +88,7 @@ t.test('a JSON file and the same as YAML give the same upstreams', async (t) => 
       baseUrl: 'http://127.0.0.1:8000/v1',
       apiKey: undefined,
       models: ['*'],
+      renames: {},
       limits: { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined },
     },
   ]);
@@ -107,13 +110,14 @@ t.test('api keys come from the variables that api_key_env names', async (t) => {
   t.same(upstreams.map((upstream) => upstream.apiKey), ['sk-other-secret', 'sk-openai-secret']);
 });
 
-t.test('a model goes to the first upstream that lists it, exactly or by prefix', async (t) => {
+t.test('a model is served by every upstream that lists it, exactly or by prefix, in the file\'s order', async (t) => {
   const upstreams = loadUpstreamsFile(file('upstreams.json', valid), env);
-  t.equal(routeModel(upstreams, 'gpt-4o')?.name, 'openai', 'exact name');
-  t.equal(routeModel(upstreams, 'o3-mini')?.name, 'openai', 'prefix pattern');
-  t.equal(routeModel(upstreams, 'o3')?.name, 'openai', 'a prefix pattern matches the bare prefix');
-  t.equal(routeModel(upstreams, 'gpt-4o-2024-08-06')?.name, 'local', 'an exact name is not a prefix: on to "*"');
-  t.equal(routeModel(upstreams, 'llama-3')?.name, 'local', '"*" serves every model');
+  const names = (model: string, list = upstreams) => deploymentsOf(list, model).map((upstream) => upstream.name);
+  t.same(names('gpt-4o'), ['openai', 'local'], 'exact name, then "*"');
+  t.same(names('o3-mini'), ['openai', 'local'], 'prefix pattern');
+  t.same(names('o3'), ['openai', 'local'], 'a prefix pattern matches the bare prefix');
+  t.same(names('gpt-4o-2024-08-06'), ['local'], 'an exact name is not a prefix: only "*"');
+  t.same(names('llama-3'), ['local'], '"*" serves every model');
 
   const first = loadUpstreamsFile(
     file('upstreams.json', {
@@ -124,9 +128,45 @@ t.test('a model goes to the first upstream that lists it, exactly or by prefix',
     }),
     env,
   );
-  t.equal(routeModel(first, 'gpt-4o')?.name, 'first', 'the file order decides, not how specific a pattern is');
-  t.equal(routeModel(first, 'claude'), undefined, 'no upstream serves the model');
-  t.equal(routeModel([], 'gpt-4o'), undefined);
+  t.same(names('gpt-4o', first), ['first', 'second'], 'the file order decides, not how specific a pattern is');
+  t.same(names('claude', first), [], 'no upstream serves the model');
+  t.same(names('gpt-4o', []), []);
+});
+
+t.test('a models entry may rename a model: one public name, each provider\'s own name for it', async (t) => {
+  const upstreams = loadUpstreamsFile(
+    file('upstreams.yaml', [
+      'upstreams:',
+      '  - name: azure',
+      '    base_url: https://azure.example/openai',
+      '    models:',
+      '      - gpt-4o: my-gpt-4o-deployment',
+      '      - o3-*',
+      '  - name: openai',
+      '    base_url: https://api.openai.com/v1',
+      '    models: [gpt-4o]',
+    ].join('\n')),
+    env,
+  );
+  t.same(upstreams[0]!.models, ['gpt-4o', 'o3-*'], 'the public names are what routes');
+  t.same(deploymentsOf(upstreams, 'gpt-4o').map((upstream) => upstream.name), ['azure', 'openai']);
+  t.equal(upstreamModel(upstreams[0]!, 'gpt-4o'), 'my-gpt-4o-deployment', 'azure calls it by its deployment name');
+  t.equal(upstreamModel(upstreams[1]!, 'gpt-4o'), 'gpt-4o', 'openai by the name itself');
+  t.equal(upstreamModel(upstreams[0]!, 'o3-mini'), 'o3-mini', 'a model not renamed keeps its name');
+  t.equal(upstreamModel(upstreams[0]!, 'toString'), 'toString', 'only the file\'s own entries rename');
+
+  t.throws(
+    () => loadUpstreamsFile(file('bad.json', { upstreams: [{ name: 'a', base_url: 'https://a.example', models: [{ 'gpt-*': 'x' }] }] }), env),
+    /upstreams\[0\]\.models\[0\]\.gpt-\*: must be an exact model name to be renamed/,
+  );
+  t.throws(
+    () => loadUpstreamsFile(file('bad.json', { upstreams: [{ name: 'a', base_url: 'https://a.example', models: [{ a: 'x', b: 'y' }] }] }), env),
+    /upstreams\[0\]\.models\[0\]: must map one model name/,
+  );
+  t.throws(
+    () => loadUpstreamsFile(file('bad.json', { upstreams: [{ name: 'a', base_url: 'https://a.example', models: [{ a: '' }] }] }), env),
+    /upstreams\[0\]\.models\[0\]\.a: must be 1 to 256 characters/,
+  );
 });
 
 t.test('without a file, one upstream named default serves every model', async (t) => {
@@ -136,9 +176,10 @@ t.test('without a file, one upstream named default serves every model', async (t
     baseUrl: 'https://api.openai.com/v1',
     apiKey: 'sk-key',
     models: ['*'],
+    renames: {},
     limits: { maxConcurrent: undefined, requestsPerMinute: undefined, tokensPerMinute: undefined },
   });
-  t.equal(routeModel([upstream], 'anything'), upstream);
+  t.same(deploymentsOf([upstream], 'anything'), [upstream]);
   t.ok(Object.isFrozen(upstream));
 });
 
@@ -207,6 +248,33 @@ t.test('a missing key variable is named, and no key is ever printed', async (t) 
   t.match(message, /upstreams\[1\]\.api_key_env: names the environment variable BLANK_KEY, which is not set or empty/);
   t.notMatch(message, /upstreams\[2\]\.api_key_env/, 'a set variable is no problem');
   for (const value of Object.values(env)) t.notOk(message.includes(value), 'no key in the message');
+});
+
+t.test('api_key_env may not name one of the gateway\'s own variables, reported with the file\'s other problems', async (t) => {
+  const own = [
+    'SECRET_ENCRYPTION_KEY', 'SECRET_ENCRYPTION_KEYS', 'SECRET_ENCRYPTION_KEY_OLD', 'DATABASE_URL', 'METRICS_TOKEN',
+    'GATEWAY_SIGNING_SECRET', 'GATEWAY_API_KEY', 'database_url',
+  ];
+  const content = {
+    upstreams: [
+      ...own.map((name, index) => ({ name: `u${index}`, base_url: 'https://u.example', api_key_env: name, models: ['*'] })),
+      { name: 'fine', base_url: 'nowhere', api_key_env: 'OPENAI_API_KEY', models: ['*'] },
+    ],
+  };
+  const environment = { ...env, ...Object.fromEntries(own.map((name) => [name, `value-of-${name}`])) };
+  const message = problemsOf(t, content, 'upstreams.json', environment);
+  t.same(message.split('\n').slice(1), [
+    ...own.map((name, index) =>
+      `  upstreams[${index}].api_key_env: names ${name}, a variable of the gateway's own; an upstream's key must be in a variable of its own (it is sent to the upstream)`,
+    ),
+    `  upstreams[${own.length}].base_url: must be an http or https URL`,
+  ]);
+  for (const value of Object.values(environment)) t.notOk(message.includes(value), 'no value in the message');
+
+  const unset = problemsOf(t, { upstreams: [{ name: 'a', base_url: 'https://a.example', api_key_env: 'METRICS_TOKEN', models: ['*'] }] });
+  t.same(unset.split('\n').slice(1), [
+    "  upstreams[0].api_key_env: names METRICS_TOKEN, a variable of the gateway's own; an upstream's key must be in a variable of its own (it is sent to the upstream)",
+  ], 'one message, set or not');
 });
 
 t.test('a file that cannot be read or parsed is named, with the position but not the text', async (t) => {

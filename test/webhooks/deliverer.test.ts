@@ -6,7 +6,7 @@
 import { sql } from 'kysely';
 import t from 'tap';
 import { claimMessage } from '../../src/webhooks/delivery-repository.ts';
-import { eventBody, MAX_RETRY_WAIT_MS, nextTryDelay } from '../../src/webhooks/deliverer.ts';
+import { eventBody, MAX_RETRY_WAIT_MS, nextTryDelay, wakeDelay } from '../../src/webhooks/deliverer.ts';
 import { removeEndpoint, rotateSecret } from '../../src/webhooks/endpoints.ts';
 import { oldestUnfinishedMessageAge } from '../../src/webhooks/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
@@ -22,6 +22,7 @@ import {
   startReceiver,
   testDeliverer,
   triesOf,
+  wakeJobs,
 } from './support.ts';
 
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
@@ -264,7 +265,7 @@ t.test('410 disables the endpoint: its other messages are abandoned and nothing 
   t.equal(receiver.deliveries.length, 1, 'nothing sent');
 });
 
-t.test('without WEBHOOK_ALLOW_PRIVATE, loopback is refused: a name resolving to it before connecting, an IP literal once connected', async (t) => {
+t.test('without WEBHOOK_ALLOW_PRIVATE, loopback is refused before any TCP connection: a name in its lookup, an IP literal before connecting', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const receiver = await startReceiver(t);
   const byName = await gateway.createKey({ project: 'by-name' });
@@ -275,8 +276,9 @@ t.test('without WEBHOOK_ALLOW_PRIVATE, loopback is refused: a name resolving to 
     project: 'by-name',
     url: `https://localhost:${receiver.port}/hooks`,
   });
-  // An IP literal does not (it was added while WEBHOOK_ALLOW_PRIVATE was on).
-  await addTestEndpoint(gateway, { project: 'by-address', url: `http://127.0.0.1:${receiver.port}/hooks` });
+  // An IP literal does not (it was added while WEBHOOK_ALLOW_PRIVATE was on). The receiver speaks
+  // plain HTTP: a TLS handshake with it would fail before any check made once connected.
+  await addTestEndpoint(gateway, { project: 'by-address', url: `https://127.0.0.1:${receiver.port}/hooks` });
   const { runDueJobs } = testDeliverer(t, gateway, { webhooks: { allowPrivate: false, retryScheduleMs: [60_000] } });
   const nameRequest = await endRequest(gateway, byName, 'completed');
   const addressRequest = await endRequest(gateway, byAddress, 'completed');
@@ -295,7 +297,49 @@ t.test('without WEBHOOK_ALLOW_PRIVATE, loopback is refused: a name resolving to 
   );
   t.ok(nameMessage!.next_try_at && addressMessage!.next_try_at, 'each retried on the schedule, like any failure');
   t.equal(receiver.deliveries.length, 0, 'the receiver got no request');
-  t.equal(receiver.connections, 1, 'only the IP literal reached it, and its connection was closed before a byte was sent');
+  t.equal(receiver.connections, 0, 'neither got a TCP connection to it');
+});
+
+t.test('each try checks the URL\'s scheme: an endpoint changed in the database to http:// or file:// gets no try', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const receiver = await startReceiver(t);
+  const plain = await gateway.createKey({ project: 'plain' });
+  const file = await gateway.createKey({ project: 'file' });
+  // Both added as https://, then changed where only the database checks nothing.
+  const plainEndpoint = await addTestEndpoint(gateway, { project: 'plain', url: `https://localhost:${receiver.port}/hooks` });
+  const fileEndpoint = await addTestEndpoint(gateway, { project: 'file', url: `https://localhost:${receiver.port}/hooks` });
+  await gateway.pool.query('update gateway.webhook_endpoints set url = $2 where id = $1', [plainEndpoint.id, receiver.url]);
+  await gateway.pool.query(`update gateway.webhook_endpoints set url = 'file:///etc/passwd' where id = $1`, [fileEndpoint.id]);
+
+  const strict = testDeliverer(t, gateway, { webhooks: { allowPrivate: false, retryScheduleMs: [60_000] } });
+  const plainRequest = await endRequest(gateway, plain, 'completed');
+  const fileRequest = await endRequest(gateway, file, 'completed');
+  await strict.runDueJobs();
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.tries === 1 && message.status === 'pending'), 'both tries ended');
+  const [plainMessage] = await messagesOf(gateway.db, plainRequest);
+  const [fileMessage] = await messagesOf(gateway.db, fileRequest);
+  t.match(await triesOf(gateway.db, plainMessage!.id), [
+    { outcome: 'failed', http_status: null, error: 'the endpoint URL must be https:// (it is http:); WEBHOOK_ALLOW_PRIVATE is off' },
+  ]);
+  t.match(await triesOf(gateway.db, fileMessage!.id), [
+    { outcome: 'failed', http_status: null, error: 'the endpoint URL must be https:// (it is file:); WEBHOOK_ALLOW_PRIVATE is off' },
+  ]);
+  t.ok(plainMessage!.next_try_at && fileMessage!.next_try_at, 'each retried on the schedule, like any failure');
+
+  // With WEBHOOK_ALLOW_PRIVATE, http:// is delivered to, and file:// still refused.
+  const relaxed = testDeliverer(t, gateway, { webhooks: { allowPrivate: true, retryScheduleMs: [60_000] } });
+  await gateway.pool.query('update gateway.webhook_messages set next_try_at = now()');
+  await gateway.pool.query(
+    `select graphile_worker.add_job('deliver_webhook', json_build_object('message_id', id)) from gateway.webhook_messages`,
+  );
+  await relaxed.runDueJobs();
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.tries === 2 && message.status !== 'delivering'), 'both second tries ended');
+  t.match(await messagesOf(gateway.db, plainRequest), [{ status: 'delivered' }]);
+  t.match((await triesOf(gateway.db, fileMessage!.id))[1], {
+    outcome: 'failed',
+    error: 'the endpoint URL must be https:// or http:// (it is file:)',
+  });
+  t.equal(receiver.connections, 1, 'the receiver saw only the delivery WEBHOOK_ALLOW_PRIVATE allows');
 });
 
 t.test('a rotated secret: both sign during the overlap, each verifying on its own; afterwards only the new one', async (t) => {
@@ -327,36 +371,169 @@ t.test('a rotated secret: both sign during the overlap, each verifying on its ow
   t.same(after.verifiedWith, [1], 'the new secret only');
 });
 
-t.test('at WEBHOOK_MAX_IN_FLIGHT a job hands its message back for a moment instead of waiting in its slot', async (t) => {
+t.test('at WEBHOOK_MAX_IN_FLIGHT a message waits without a job of its own, keeping its tries; a try ending here takes it at once', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
   const receiver = await startReceiver(t, () => ({ hang: true }));
-  await addTestEndpoint(gateway, { url: receiver.url });
-  const { deliverer, runDueJobs } = testDeliverer(t, gateway, { webhooks: { maxInFlight: 1 } });
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  const { deliverer, metrics, runDueJobs } = testDeliverer(t, gateway, { webhooks: { maxInFlight: 1 } });
   const first = await endRequest(gateway, key, 'completed');
   const second = await endRequest(gateway, key, 'completed');
+  const third = await endRequest(gateway, key, 'failed');
   const [firstMessage] = await messagesOf(gateway.db, first);
   const [secondMessage] = await messagesOf(gateway.db, second);
+  const [thirdMessage] = await messagesOf(gateway.db, third);
   await gateway.pool.query(`delete from graphile_worker._private_jobs`);
 
-  t.equal(await deliverer.deliver(firstMessage!.id), 'started');
+  t.equal(await deliverer.deliver(firstMessage!.id, endpoint.id), 'started');
   const before = Date.now();
-  t.equal(await deliverer.deliver(secondMessage!.id), 'deferred', 'no room: the job ends at once');
+  t.equal(await deliverer.deliver(secondMessage!.id, endpoint.id), 'deferred', 'no room: the job ends at once');
+  t.equal(await deliverer.deliver(thirdMessage!.id, endpoint.id), 'deferred');
   t.equal(deliverer.inFlight, 1);
-  t.match(await messagesOf(gateway.db, second), [{ status: 'pending', tries: 0 }], 'the message was not claimed');
-  const jobs = await deliveryJobs(gateway.db);
-  t.same(jobs.map((job) => job.message_id), [secondMessage!.id], 'its job is added again');
-  t.ok(jobs[0]!.run_at.getTime() >= before + 500 && jobs[0]!.run_at.getTime() <= Date.now() + 1_500, 'for about a second later');
+  t.match(await messagesOf(gateway.db, second), [{ status: 'pending', tries: 0 }], 'the message was not claimed: no try spent');
+  t.same(await deliveryJobs(gateway.db), [], 'no job of its own is added again');
+  const wakes = await wakeJobs(gateway.db);
+  t.equal(wakes.length, 1, 'one wake job for the endpoint, however many messages wait');
+  t.match(wakes[0], { endpoint_id: endpoint.id, deferrals: 0 });
+  t.ok(wakes[0]!.run_at.getTime() >= before + 500 && wakes[0]!.run_at.getTime() <= Date.now() + 1_500, 'due about a second later');
+  t.equal(await metricValue(metrics, 'gateway_webhook_deferrals_total{reason="worker_busy"}'), 2);
 
   receiver.release({ status: 204 });
-  await until(async () => (await messagesOf(gateway.db, first))[0]!.status === 'delivered', 'the first delivered');
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.status === 'delivered'), 'all delivered, no job run');
+  t.match(await messagesOf(gateway.db, second), [{ status: 'delivered', tries: 1 }], 'with its first try');
+  t.same(await runDueJobs(), [], 'the wake job is not due yet');
+  await gateway.pool.query(`update graphile_worker._private_jobs set run_at = now()`);
+  t.same(await runDueJobs(), ['nothing'], 'when it runs, nothing waits any more');
+  t.same(await wakeJobs(gateway.db), [], 'and it is not added again');
+});
+
+t.test('WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT: an endpoint that does not answer holds that many tries of a worker; another endpoint\'s start at once', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const slowKey = await gateway.createKey({ project: 'slow' });
+  const quickKey = await gateway.createKey({ project: 'quick' });
+  const slow = await startReceiver(t, () => ({ hang: true }));
+  const quick = await startReceiver(t);
+  const slowEndpoint = await addTestEndpoint(gateway, { project: 'slow', url: slow.url });
+  await addTestEndpoint(gateway, { project: 'quick', url: quick.url });
+  const { deliverer, metrics, runDueJobs } = testDeliverer(t, gateway, { webhooks: { maxInFlight: 20, maxInFlightPerEndpoint: 3, timeoutMs: 10_000 } });
+  for (let i = 0; i < 10; i++) await endRequest(gateway, slowKey, 'completed');
+  for (let i = 0; i < 3; i++) await endRequest(gateway, quickKey, 'completed');
+
+  const said = await runDueJobs();
+  t.equal(said.filter((word) => word === 'started').length, 3 + 3, 'three of the slow endpoint\'s, the other\'s three');
+  t.equal(said.filter((word) => word === 'deferred').length, 7);
+  await until(() => quick.deliveries.length === 3, 'the other endpoint got its three');
+  await sleep(200);
+  t.equal(slow.deliveries.length, 3, 'the slow endpoint holds three tries, no more');
+  t.equal(slow.maxOpen, 3);
+  t.equal(deliverer.inFlightTo(slowEndpoint.id), 3);
+  t.equal(await metricValue(metrics, 'gateway_webhook_deferrals_total{reason="endpoint_busy"}'), 7);
+  t.equal((await wakeJobs(gateway.db)).length, 1, 'its seven waiting messages share one wake job');
+
+  slow.release({ status: 204 });
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.status === 'delivered'), 'all delivered', 5_000);
+  t.equal(slow.maxOpen, 3, 'three at a time to the slow endpoint, as each try ending here took the next');
+  t.same(new Set((await messagesOf(gateway.db)).map((message) => message.tries)), new Set([1]), 'each with one try: waiting spent none');
+});
+
+t.test('an endpoint that times out backs off: no try for 1 s, then one probe at a time, the wait doubling; an answer ends it', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ hang: true }));
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  const { metrics, runDueJobs } = testDeliverer(t, gateway, { webhooks: { timeoutMs: 300, retryScheduleMs: [100, 100, 100, 100, 100] } });
+  for (let i = 0; i < 4; i++) await endRequest(gateway, key, 'completed');
+  const backoff = async () =>
+    (await gateway.pool.query('select backoff_ms, timed_out_at, paused_until from gateway.webhook_endpoints where id = $1', [endpoint.id])).rows[0];
+
+  t.same(await runDueJobs(), ['started', 'started', 'started', 'started']);
+  await until(async () => (await backoff()).backoff_ms !== null, 'the endpoint backs off');
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.status === 'pending'), 'the four tries timed out');
+  const first = await backoff();
+  t.equal(first.backoff_ms, 1_000, 'four tries timed out together: one step, a wait of 1 s');
+  t.equal(first.paused_until.getTime() - first.timed_out_at.getTime(), 1_000);
+
+  // Their retries are due in 100 ms: they find the endpoint paused, and wait without spending a try.
+  await sleep(150);
+  t.same(await runDueJobs(), ['deferred', 'deferred', 'deferred', 'deferred']);
+  t.same(new Set((await messagesOf(gateway.db)).map((message) => message.tries)), new Set([1]), 'no try spent while it waits');
+  t.equal(await metricValue(metrics, 'gateway_webhook_deferrals_total{reason="endpoint_backing_off"}'), 4);
+  const wakes = await wakeJobs(gateway.db);
+  t.equal(wakes.length, 1);
+  t.equal(wakes[0]!.run_at.getTime(), first.paused_until.getTime(), 'its wake is due when the wait ends');
+
+  await until(async () => (await runDueJobs()).length > 0, 'the wake ran', 2_000);
+  await until(() => receiver.deliveries.length === 5, 'the probe arrived');
+  await sleep(100);
+  t.equal(receiver.deliveries.length, 5, 'one probe, not four tries');
+  await until(async () => (await backoff()).backoff_ms === 2_000, 'the probe timed out: the wait doubles', 2_000);
+  const second = await backoff();
+  t.equal(second.paused_until.getTime() - second.timed_out_at.getTime(), 2_000);
+  t.same(await runDueJobs(), [], 'nothing runs during the wait');
+
+  receiver.release({ status: 204 });
   await until(
     async () => {
       await runDueJobs();
-      return (await messagesOf(gateway.db, second))[0]!.status === 'delivered';
+      return (await messagesOf(gateway.db)).every((message) => message.status === 'delivered');
     },
-    'the second delivered once there was room',
+    'the next probe is answered, and the others go at once',
+    5_000,
   );
+  t.same(await backoff(), { backoff_ms: null, timed_out_at: null, paused_until: null }, 'the answer ended the backoff');
+  const tries = (await messagesOf(gateway.db)).map((message) => message.tries).sort();
+  t.equal(tries.reduce((sum, n) => sum + n, 0), receiver.deliveries.length, 'every try reached the endpoint: waiting spent none');
+  t.same(tries, [2, 2, 2, 3], 'the first tries, the probe that timed out, the one answered, then the three others');
+});
+
+t.test('workers claiming at the same moment start one probe of an endpoint whose wait is over', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ hang: true }));
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  for (let i = 0; i < 6; i++) await endRequest(gateway, key, 'completed');
+  await gateway.pool.query(`delete from graphile_worker._private_jobs`);
+  await gateway.pool.query(
+    `update gateway.webhook_endpoints set backoff_ms = 4000, timed_out_at = now() - interval '5 seconds', paused_until = now() - interval '1 second' where id = $1`,
+    [endpoint.id],
+  );
+  const workers = [testDeliverer(t, gateway).deliverer, testDeliverer(t, gateway).deliverer];
+  const messages = await messagesOf(gateway.db);
+  const said = await Promise.all([
+    ...messages.map((message, i) => workers[i % 2]!.deliver(message.id, endpoint.id)),
+    workers[0]!.wake(endpoint.id, 0),
+    workers[1]!.wake(endpoint.id, 0),
+  ]);
+  t.equal(said.filter((word) => word === 'started').length, 1, `one probe (${said.join(', ')})`);
+  const { rows } = await gateway.pool.query('select paused_until from gateway.webhook_endpoints where id = $1', [endpoint.id]);
+  t.ok(rows[0].paused_until.getTime() > Date.now() + 1_000, 'the probe keeps the others off for its length');
+  t.equal((await messagesOf(gateway.db)).filter((message) => message.status === 'delivering').length, 1);
+  t.equal((await wakeJobs(gateway.db)).length, 1, 'the others wait for one wake');
+  receiver.release({ status: 204 });
+});
+
+t.test('a wake that finds no room comes back later each time: 1 s, 2 s, 4 s ... up to a minute', async (t) => {
+  t.same([0, 1, 2, 3, 4, 5, 6, 7, 50].map(wakeDelay), [1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 60_000, 60_000, 60_000]);
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t, () => ({ hang: true }));
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  const { deliverer, runDueJobs } = testDeliverer(t, gateway, { webhooks: { maxInFlightPerEndpoint: 1, timeoutMs: 10_000 } });
+  for (let i = 0; i < 3; i++) await endRequest(gateway, key, 'completed');
+  t.same((await runDueJobs()).sort(), ['deferred', 'deferred', 'started']);
+  for (const deferrals of [0, 1, 2]) {
+    const [wake] = await wakeJobs(gateway.db);
+    t.equal(wake?.deferrals, deferrals);
+    await gateway.pool.query(`delete from graphile_worker._private_jobs`);
+    const before = Date.now();
+    t.equal(await deliverer.wake(endpoint.id, deferrals), 'deferred', 'no room: its messages still wait');
+    const [next] = await wakeJobs(gateway.db);
+    const delay = next!.run_at.getTime() - before;
+    t.ok(delay >= wakeDelay(deferrals + 1) - 100 && delay <= wakeDelay(deferrals + 1) + 1_000, `the next in ${delay} ms`);
+  }
+  t.equal(receiver.deliveries.length, 1);
+  t.same((await messagesOf(gateway.db)).map((message) => message.tries).sort(), [0, 0, 1], 'the two waiting spent no try');
+  receiver.release({ status: 204 });
 });
 
 t.test('a worker without SECRET_ENCRYPTION_KEY leaves messages pending, says so once, and does not crash', async (t) => {
@@ -420,7 +597,7 @@ t.test('tries lost with their worker are handed back by the sweep: recorded fail
     requests[name] = await endRequest(gateway, key, 'completed');
     const [message] = await messagesOf(gateway.db, requests[name]);
     const workerId = { dead: 'worker-dead', young: 'worker-dead', alive: 'worker-alive', own }[name];
-    t.equal((await claimMessage(gateway.db, message!.id, workerId)).kind, 'claimed');
+    t.equal((await claimMessage(gateway.db, message!.id, workerId, 3_000)).kind, 'claimed');
     if (name !== 'young') {
       await gateway.pool.query(`update gateway.webhook_deliveries set started_at = now() - interval '1 minute' where message_id = $1`, [message!.id]);
     }

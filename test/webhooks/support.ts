@@ -1,8 +1,8 @@
 // What the webhook tests share: a receiver on loopback scripted by the test (which can verify
 // every delivery with the official standardwebhooks package), requests made terminal straight
 // in the database (so that gateway.enqueue_webhooks writes their messages), a deliverer built
-// directly on a test database, and a stand-in for graphile-worker that runs the deliver_webhook
-// jobs that are due.
+// directly on a test database, and a stand-in for graphile-worker that runs the webhook jobs
+// that are due (deliver_webhook, wake_webhook_endpoint).
 import { randomBytes } from 'node:crypto';
 import http from 'node:http';
 import { Writable } from 'node:stream';
@@ -52,6 +52,9 @@ export interface Receiver {
   secrets: string[];
   /** Connections accepted, requests or not. */
   connections: number;
+  /** Deliveries received and not yet answered (nor dropped): now, and at most so far. */
+  open: number;
+  maxOpen: number;
   /** Answers every delivery still hanging, and any later one, with this. */
   release(reply: ReceiverReply): void;
   close(): Promise<void>;
@@ -71,6 +74,8 @@ export async function startReceiver(
     deliveries,
     secrets: [],
     connections: 0,
+    open: 0,
+    maxOpen: 0,
     release(answer) {
       released = answer;
       for (const answerOne of hanging.splice(0)) answerOne(answer);
@@ -78,6 +83,9 @@ export async function startReceiver(
     close: async () => {},
   };
   const server = http.createServer(async (request, response) => {
+    receiver.open++;
+    receiver.maxOpen = Math.max(receiver.maxOpen, receiver.open);
+    response.on('close', () => receiver.open--);
     const chunks: Buffer[] = [];
     for await (const chunk of request) chunks.push(chunk as Buffer);
     const body = Buffer.concat(chunks).toString('utf8');
@@ -169,9 +177,11 @@ export async function triesOf(db: Db, messageId: string) {
 }
 
 /** The deliver_webhook jobs in the queue (graphile-worker's jobs view does not show payloads). */
-export async function deliveryJobs(db: Db): Promise<{ message_id: string; run_at: Date; locked_by: string | null }[]> {
-  const { rows } = await sql<{ message_id: string; run_at: Date; locked_by: string | null }>`
-    select jobs.payload->>'message_id' as message_id, jobs.run_at, jobs.locked_by
+export async function deliveryJobs(
+  db: Db,
+): Promise<{ message_id: string; endpoint_id: string | null; run_at: Date; locked_by: string | null }[]> {
+  const { rows } = await sql<{ message_id: string; endpoint_id: string | null; run_at: Date; locked_by: string | null }>`
+    select jobs.payload->>'message_id' as message_id, jobs.payload->>'endpoint_id' as endpoint_id, jobs.run_at, jobs.locked_by
     from graphile_worker._private_jobs as jobs
     join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id
     where tasks.identifier = 'deliver_webhook'
@@ -180,15 +190,41 @@ export async function deliveryJobs(db: Db): Promise<{ message_id: string; run_at
   return rows;
 }
 
-/** Takes the deliver_webhook jobs that are due out of the queue, as graphile-worker would; returns their payloads' message ids. */
-export async function takeDueDeliveryJobs(db: Db): Promise<string[]> {
-  const { rows } = await sql<{ message_id: string }>`
-    delete from graphile_worker._private_jobs as jobs
-    using graphile_worker._private_tasks as tasks
-    where tasks.id = jobs.task_id and tasks.identifier = 'deliver_webhook' and jobs.run_at <= now()
-    returning jobs.payload->>'message_id' as message_id
+/** The wake_webhook_endpoint jobs in the queue. */
+export async function wakeJobs(db: Db): Promise<{ endpoint_id: string; deferrals: number; run_at: Date; key: string | null }[]> {
+  const { rows } = await sql<{ endpoint_id: string; deferrals: number; run_at: Date; key: string | null }>`
+    select jobs.payload->>'endpoint_id' as endpoint_id, (jobs.payload->>'deferrals')::int as deferrals, jobs.run_at, jobs.key
+    from graphile_worker._private_jobs as jobs
+    join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id
+    where tasks.identifier = 'wake_webhook_endpoint'
+    order by jobs.run_at, jobs.id
   `.execute(db);
-  return rows.map((row) => row.message_id);
+  return rows;
+}
+
+export type DueJob =
+  | { task: 'deliver_webhook'; message_id: string; endpoint_id: string | undefined }
+  | { task: 'wake_webhook_endpoint'; endpoint_id: string; deferrals: number };
+
+/**
+ * Takes the webhook jobs that are due out of the queue, as graphile-worker would (deliver_webhook
+ * and wake_webhook_endpoint), in the order it would run them.
+ */
+export async function takeDueWebhookJobs(db: Db): Promise<DueJob[]> {
+  const { rows } = await sql<{ task: string; payload: Record<string, unknown> }>`
+    with taken as (
+      delete from graphile_worker._private_jobs as jobs
+      using graphile_worker._private_tasks as tasks
+      where tasks.id = jobs.task_id and tasks.identifier in ('deliver_webhook', 'wake_webhook_endpoint') and jobs.run_at <= now()
+      returning jobs.id, jobs.run_at, tasks.identifier as task, jobs.payload
+    )
+    select task, payload from taken order by run_at, id
+  `.execute(db);
+  return rows.map((row) =>
+    row.task === 'deliver_webhook'
+      ? { task: 'deliver_webhook', message_id: String(row.payload.message_id), endpoint_id: row.payload.endpoint_id as string | undefined }
+      : { task: 'wake_webhook_endpoint', endpoint_id: String(row.payload.endpoint_id), deferrals: Number(row.payload.deferrals ?? 0) },
+  );
 }
 
 export interface TestDeliverer {
@@ -196,7 +232,7 @@ export interface TestDeliverer {
   metrics: Metrics;
   /** Every log line it wrote, parsed. */
   logs: Record<string, any>[];
-  /** Runs the deliver_webhook jobs that are due; returns what deliver() said for each. */
+  /** Runs the webhook jobs that are due (deliveries and wakes); returns what deliver() or wake() said for each. */
   runDueJobs(): Promise<string[]>;
 }
 
@@ -226,7 +262,14 @@ export function testDeliverer(
   const deliverer = new WebhookDeliverer({
     db: gateway.db,
     config: {
-      webhooks: { allowPrivate: true, timeoutMs: 2_000, retryScheduleMs: [100, 200, 400], maxInFlight: 100, ...options.webhooks },
+      webhooks: {
+        allowPrivate: true,
+        timeoutMs: 2_000,
+        retryScheduleMs: [100, 200, 400],
+        maxInFlight: 100,
+        maxInFlightPerEndpoint: 10,
+        ...options.webhooks,
+      },
       secretEncryptionKeys:
         'secretEncryptionKey' in options
           ? options.secretEncryptionKey
@@ -245,8 +288,12 @@ export function testDeliverer(
     metrics,
     logs,
     async runDueJobs() {
-      const ids = await takeDueDeliveryJobs(gateway.db);
-      return Promise.all(ids.map((id) => deliverer.deliver(id)));
+      const jobs = await takeDueWebhookJobs(gateway.db);
+      return Promise.all(
+        jobs.map((job) =>
+          job.task === 'deliver_webhook' ? deliverer.deliver(job.message_id, job.endpoint_id) : deliverer.wake(job.endpoint_id, job.deferrals),
+        ),
+      );
     },
   };
 }

@@ -1,22 +1,22 @@
 // The lifecycle of CONTRACT.md section 1, observed state by state: queued -> processing ->
 // retrying -> processing -> completed, processing -> failed; a lost attempt is recorded as
 // worker_lost and retried; a terminal request is never run again; concurrent dispatches of a
-// lane start each request once.
+// queue start each request once.
 import t, { type Test } from 'tap';
-import { claimLane } from '../../src/lanes/repository.ts';
-import { NO_LIMITS } from '../../src/upstream/upstreams.ts';
+import type { Db } from '../../src/db/pool.ts';
+import { LANE_HEALTH } from '../../src/lanes/health.ts';
 import { finishAttempts } from '../../src/worker/attempts-repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { attemptRows, dispatchJobs, isTerminal, laneOf, requestRow, waitForRow } from '../helpers/rows.ts';
+import { attemptRows, claimQueueOf, dispatchJobs, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 
 const NO_USAGE = { prompt: null, completion: null, total: null };
 
 /** Starts the request's next attempt as a worker that then dies: no heartbeat row, nothing recorded. */
-async function claimAsDeadWorker(api: { db: Parameters<typeof claimLane>[0] }, id: string) {
-  const claim = await claimLane(api.db, await laneOf(api.db, id), 10, 'worker-that-died', NO_LIMITS);
+async function claimAsDeadWorker(api: { db: Db }, id: string) {
+  const claim = await claimQueueOf(api.db, id, 10, 'worker-that-died');
   if (!claim.started.some((started) => started.id === id)) throw new Error('not claimed');
 }
 
@@ -58,8 +58,8 @@ t.test('queued -> processing -> retrying -> processing -> completed', async (t) 
   t.match(retrying, { attempts: 1, last_error_code: 'upstream_rate_limited' }, 'retrying');
   t.ok(retrying.next_attempt_at && retrying.next_attempt_at > new Date(), 'with the next attempt due later');
   t.ok(
-    (await dispatchJobs(api.db)).some((job) => job.lane_id === retrying.lane_id && job.run_at >= retrying.next_attempt_at!),
-    'and a dispatch of its lane due then',
+    (await dispatchJobs(api.db)).some((job) => job.queue_id === retrying.queue_id && job.run_at >= retrying.next_attempt_at!),
+    'and a dispatch of its queue due then',
   );
 
   t.match(await waitForRow(api.db, id, (row) => row.status === 'processing' && row.attempts === 2), {
@@ -87,18 +87,19 @@ t.test('processing -> failed', async (t) => {
   });
 });
 
-t.test('a terminal request is never run again, whatever jobs wake its lane', async (t) => {
+t.test('a terminal request is never run again, whatever jobs wake its queue', async (t) => {
   const upstream = await startFakeUpstream(t);
   const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const accepted = await client.post({ model: 'gpt-test', messages: userMessage(), wait: true });
   t.equal(accepted.status, 200);
-  const { rows } = await gateway.pool.query('select id, lane_id from gateway.requests');
+  const { rows } = await gateway.pool.query('select id, lane_id, queue_id from gateway.requests');
   const id = rows[0].id as string;
   const before = await requestRow(gateway.db, id);
 
-  // Stray dispatches of its lane, and jobs of an earlier version naming the request.
+  // Stray dispatches of its queue, and jobs of earlier versions naming its lane or the request.
   for (let i = 0; i < 3; i++) {
+    await gateway.pool.query(`select graphile_worker.add_job('dispatch_queue', json_build_object('queue_id', $1::bigint))`, [rows[0].queue_id]);
     await gateway.pool.query(`select graphile_worker.add_job('dispatch_lane', json_build_object('lane_id', $1::bigint))`, [rows[0].lane_id]);
   }
   for (const attempt of [1, 2, 5]) {
@@ -116,16 +117,13 @@ t.test('a terminal request is never run again, whatever jobs wake its lane', asy
   t.equal((await attemptRows(gateway.db, id)).length, 1);
 });
 
-t.test('dispatches of one lane at the same time start each request once', async (t) => {
+t.test('dispatches of one queue at the same time start each request once', async (t) => {
   const api = await startTestGateway(t, { role: 'api' });
   const client = clientFor(api.url, await api.createKey({ mode: 'live' }));
   const ids = await Promise.all(
     Array.from({ length: 50 }, async (_, i) => (await client.post({ model: 'gpt-test', messages: userMessage(`n${i}`) })).body.id as string),
   );
-  const lane = await laneOf(api.db, ids[0]!);
-  const claims = await Promise.all(
-    ['a', 'b', 'c', 'd', 'e'].map((worker) => claimLane(api.db, lane, 20, `worker-${worker}`, NO_LIMITS)),
-  );
+  const claims = await Promise.all(['a', 'b', 'c', 'd', 'e'].map((worker) => claimQueueOf(api.db, ids[0]!, 20, `worker-${worker}`)));
   const started = claims.flatMap((claim) => claim.started.map((attempt) => attempt.id));
   t.equal(started.length, 50, 'fifty attempts started');
   t.same(new Set(started), new Set(ids), 'one for each request');
@@ -152,9 +150,13 @@ t.test('an attempt whose worker died is recorded as worker_lost and the request 
   t.equal(upstream.calls.length, 1, 'the lost attempt never reached the upstream; the retry did');
 
   t.notOk(
-    (await finishAttempts(api.db, [
-      { kind: 'completed', id, attempt: 1, result: '{"object":"chat.completion"}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 },
-    ]))[0],
+    (
+      await finishAttempts(
+        api.db,
+        [{ kind: 'completed', id, attempt: 1, laneId: row.lane_id!, result: '{"object":"chat.completion"}', usage: NO_USAGE, upstreamStatus: 200, durationMs: 1 }],
+        { maxAttempts: 5, health: LANE_HEALTH },
+      )
+    ).finished[0],
     'the dead worker, were it to come back, could not record its outcome',
   );
   t.same(await requestRow(api.db, id), row);

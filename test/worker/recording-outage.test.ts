@@ -7,14 +7,13 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import type { Test } from 'tap';
 import t from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
-import { claimLane, type StartedAttempt } from '../../src/lanes/repository.ts';
+import type { StartedAttempt } from '../../src/lanes/repository.ts';
 import { createLogger } from '../../src/logger.ts';
 import { Metrics } from '../../src/metrics.ts';
-import { NO_LIMITS } from '../../src/upstream/upstreams.ts';
 import { createAttempts, type CallTarget } from '../../src/worker/attempts.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { attemptRows, laneOf, requestRow } from '../helpers/rows.ts';
+import { attemptRows, claimQueueOf, requestRow } from '../helpers/rows.ts';
 import { startTcpProxy, type TcpProxy } from '../helpers/tcp-proxy.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
@@ -49,9 +48,9 @@ async function setup(t: Test) {
   t.teardown(() => attempts.close());
 
   const accepted = await clientFor(gateway.url, key).post({ model: 'gpt-test', messages: userMessage() });
-  const claim = await claimLane(gateway.db, await laneOf(gateway.db, accepted.body.id), 1, 'worker-recording-test', NO_LIMITS);
+  const claim = await claimQueueOf(gateway.db, accepted.body.id, 1, 'worker-recording-test');
   const started = claim.started[0]!;
-  const target: CallTarget = { mode: 'live', upstream: gateway.config.upstreams[0], modelLabel: 'gpt-test' };
+  const target: CallTarget = { mode: 'live', upstream: gateway.config.upstreams[0], model: undefined, modelLabel: 'gpt-test' };
   const run = (signal: AbortSignal) => {
     cutDuringCall = proxy;
     return attempts.run(target, started, signal);

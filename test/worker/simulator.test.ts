@@ -1,4 +1,4 @@
-// Test mode (CONTRACT.md section 4): the built-in simulator answers by model name, and a test
+// Test mode: the built-in simulator answers by model name, and a test
 // key's request never reaches the upstream.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
@@ -41,7 +41,7 @@ t.test('simulated behaviours, and no call to the upstream', async (t) => {
   for (const [status, code, attempts] of [
     [400, 'upstream_bad_request', 1],
     [422, 'upstream_bad_request', 1],
-    [401, 'upstream_auth_error', 1],
+    [401, 'upstream_auth_error', 4],
     [429, 'upstream_rate_limited', 4],
     [503, 'upstream_server_error', 4],
   ] as const) {
@@ -57,4 +57,20 @@ t.test('simulated behaviours, and no call to the upstream', async (t) => {
   t.match(tooSlow, { status: 400, body: { error: { code: 'invalid_parameter', param: 'model' } } }, 'a delay past UPSTREAM_TIMEOUT_MS is refused');
 
   t.equal(upstream.calls.length, 0, 'nothing reached the upstream');
+});
+
+t.test('a simulated 429 pauses no one: the test lane, every project\'s, stays open to the others', async (t) => {
+  // Backoffs of up to 2 s: a pause of the lane would hold the other project's request that long.
+  const gateway = await startTestGateway(t, { env: { MAX_ATTEMPTS: '3', RETRY_BASE_MS: '2000', RETRY_MAX_MS: '2000' } });
+  const noisy = clientFor(gateway.url, await gateway.createKey({ mode: 'test', project: 'noisy' }));
+  const quiet = clientFor(gateway.url, await gateway.createKey({ mode: 'test', project: 'quiet' }));
+  const refused = await noisy.post({ model: 'test-error-429', messages: userMessage() });
+  await waitForRow(gateway.db, refused.body.id, (row) => row.attempts >= 1 && row.status === 'retrying');
+  const { rows } = await gateway.pool.query(`select paused_until from gateway.lanes where mode = 'test'`);
+  t.same(rows, [{ paused_until: null }], 'the simulator\'s lane is not paused');
+  const started = Date.now();
+  const answer = await quiet.post({ model: 'test-echo', messages: userMessage(), wait: true });
+  t.equal(answer.status, 200, 'another project\'s request completes');
+  t.ok(Date.now() - started < 1_000, `at once (${Date.now() - started} ms), not after the 429's backoff`);
+  t.match(await waitForRow(gateway.db, refused.body.id, isTerminal), { status: 'failed', last_error_code: 'upstream_rate_limited' });
 });

@@ -1,8 +1,16 @@
 // The worker supervisor: dead pools' jobs are released, and a pool that stops on its own is
 // replaced, so requests finish without a restart. A live worker is never taken for dead: not
 // while its event loop stalls, nor while it stops and its calls in flight land.
+import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
+import { createDb, createPool } from '../../src/db/pool.ts';
+import { createLogger } from '../../src/logger.ts';
+import { Metrics } from '../../src/metrics.ts';
+import { WebhookDeliverer } from '../../src/webhooks/deliverer.ts';
+import { createAttempts } from '../../src/worker/attempts.ts';
+import { Dispatcher } from '../../src/worker/dispatcher.ts';
+import { startWorkerService } from '../../src/worker/supervisor.ts';
 import { sweep } from '../../src/worker/supervisor-repository.ts';
 import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
@@ -184,4 +192,56 @@ t.test('a stopping worker keeps its heartbeat until its call has landed: no othe
   t.notOk(peer.logs.some((line) => line.includes('attempt lost with its worker')), 'the peer took nothing for lost');
   const { rows } = await stopping.pool.query('select id from gateway.worker_pools where id = $1', [workerId]);
   t.same(rows, [], 'then the stopped worker\'s row is released');
+});
+
+t.test('stop() waits for a sweep under way: one held by a lock ends before stop() resolves', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { WORKER_DEAD_AFTER_MS: '2000' } });
+  const { config } = gateway;
+  // The worker's parts, built as main.ts builds them, so that the test holds its WorkerService.
+  const logs: string[] = [];
+  const logger = createLogger(config, new Writable({ write: (chunk: Buffer, _encoding, done) => (logs.push(chunk.toString('utf8')), done()) }));
+  const pool = createPool(gateway.databaseUrl, { max: 4, applicationName: 'gateway-worker', logger });
+  const db = createDb(pool);
+  const metrics = new Metrics();
+  const attempts = createAttempts({ db, config, metrics, logger });
+  const dispatcher = new Dispatcher({
+    db,
+    attempts,
+    upstreams: config.upstreams,
+    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
+    upstreamTimeoutMs: config.upstreamTimeoutMs,
+    graceMs: config.shutdownGraceMs,
+    metrics,
+    logger,
+  });
+  const deliverer = new WebhookDeliverer({ db, config, workerId: dispatcher.workerId, metrics, logger });
+  t.teardown(async () => {
+    await attempts.close();
+    await pool.end();
+  });
+  const service = await startWorkerService({ config, pool, db, metrics, logger, dispatcher, deliverer, attempts });
+
+  // The sweep's last statement (the webhook tries of dead workers) waits for this lock.
+  const locker = await gateway.pool.connect();
+  await locker.query('begin');
+  await locker.query('lock table gateway.webhook_messages in access exclusive mode');
+  await until(async () => {
+    const { rows } = await gateway.pool.query(
+      `select from pg_stat_activity where application_name = 'gateway-worker' and wait_event_type = 'Lock' and query like '%webhook_messages%'`,
+    );
+    return rows.length > 0;
+  }, 'a sweep waiting for the lock');
+
+  let stopped = false;
+  const stopping = service.stop().then(() => {
+    stopped = true;
+  });
+  // Longer than the rest of the stop takes here (no calls, no tries: the grace is not waited for).
+  await sleep(1_500);
+  t.notOk(stopped, 'stop() has not resolved while the sweep waits');
+  await locker.query('commit');
+  locker.release();
+  await stopping;
+  t.ok(stopped, 'it resolves once the sweep has ended');
+  t.notOk(logs.some((line) => line.includes('sweep failed')), 'and the sweep ended without failing');
 });

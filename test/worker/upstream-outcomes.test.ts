@@ -1,5 +1,6 @@
 // Live mode against a real OpenAI-compatible server on loopback: each upstream answer ends in
-// the contract's state and attempt error code (CONTRACT.md section 1).
+// its state and attempt error code. The requests here are alone on their lane: a first failure
+// is charged (nothing says the provider is down), and later ones are not (nothing says it is up).
 import http from 'node:http';
 import t, { type Test } from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
@@ -40,8 +41,6 @@ for (const [status, code] of [
   [404, 'upstream_bad_request'],
   [413, 'upstream_bad_request'],
   [422, 'upstream_bad_request'],
-  [401, 'upstream_auth_error'],
-  [403, 'upstream_auth_error'],
 ] as const) {
   t.test(`${status}: failed with ${code} after one attempt, not retried`, async (t) => {
     const { row, attempts, upstream } = await runAgainst(t, () => ({ status, json: { error: { message: 'no' } } }));
@@ -59,7 +58,8 @@ for (const [name, reply, code, upstreamStatus] of [
   ['503', { status: 503 }, 'upstream_server_error', 503],
   ['408', { status: 408 }, 'upstream_server_error', 408],
   ['409', { status: 409 }, 'upstream_server_error', 409],
-  ['429', { status: 429 }, 'upstream_rate_limited', 429],
+  ['401', { status: 401 }, 'upstream_auth_error', 401],
+  ['403', { status: 403 }, 'upstream_auth_error', 403],
   ['200 with a body that is not JSON', { status: 200, text: 'this is not JSON' }, 'upstream_invalid_response', 200],
   ['200 with a JSON object that is no chat completion', { status: 200, json: { hello: 'world' } }, 'upstream_invalid_response', 200],
   ['200 with a JSON array', { status: 200, json: [1, 2] }, 'upstream_invalid_response', 200],
@@ -67,28 +67,49 @@ for (const [name, reply, code, upstreamStatus] of [
   ['an upstream that never answers', { hang: true }, 'upstream_timeout', null],
   ['a connection reset', { reset: true }, 'upstream_connection_error', null],
 ] as const) {
-  t.test(`${name}: retried, then failed with ${code} after MAX_ATTEMPTS`, async (t) => {
-    const { row, attempts, upstream } = await runAgainst(t, () => reply as Reply);
-    t.equal(row.status, 'failed');
-    t.equal(row.attempts, MAX_ATTEMPTS);
-    t.equal(row.last_error_code, code);
-    t.equal(upstream.calls.length, MAX_ATTEMPTS);
+  t.test(`${name}: ${code}, charged, and retried (it fails once MAX_ATTEMPTS are charged)`, async (t) => {
+    const { row, attempts, upstream } = await runAgainst(t, () => reply as Reply, { MAX_ATTEMPTS: '1' });
+    t.match(row, { status: 'failed', attempts: 1, charged_attempts: 1, last_error_code: code });
+    t.equal(upstream.calls.length, 1);
     t.same(
-      attempts.map((attempt) => [attempt.attempt_number, attempt.outcome, attempt.error_code, attempt.upstream_status]),
-      [1, 2, 3].map((n) => [n, 'failed', code, upstreamStatus]),
+      attempts.map((attempt) => [attempt.attempt_number, attempt.outcome, attempt.error_code, attempt.upstream_status, attempt.charged]),
+      [[1, 'failed', code, upstreamStatus, true]],
     );
   });
 }
 
+t.test('a request failing alone is charged once, then retried uncharged: it completes after more attempts than MAX_ATTEMPTS', async (t) => {
+  const { row, attempts } = await runAgainst(t, (count) =>
+    count <= MAX_ATTEMPTS + 1 ? { status: 503 } : { status: 200, json: completionFor({ messages: [{ content: 'x' }] }) },
+  );
+  t.match(row, { status: 'completed', attempts: MAX_ATTEMPTS + 2, charged_attempts: 1, last_error_code: 'upstream_server_error' });
+  t.same(
+    attempts.map((attempt) => attempt.charged),
+    [true, ...Array.from({ length: MAX_ATTEMPTS }, () => false), null],
+    'nothing succeeded between its attempts: the provider may be down, not the request at fault',
+  );
+});
+
+t.test('429s are retried without being charged: more of them than MAX_ATTEMPTS, then a completion', async (t) => {
+  const { row, attempts } = await runAgainst(t, (count) =>
+    count <= MAX_ATTEMPTS + 2 ? { status: 429 } : { status: 200, json: completionFor({ messages: [{ content: 'x' }] }) },
+  );
+  t.match(row, { status: 'completed', attempts: MAX_ATTEMPTS + 3, charged_attempts: 0, last_error_code: 'upstream_rate_limited' });
+  t.same(
+    attempts.map((attempt) => [attempt.outcome, attempt.error_code, attempt.charged]),
+    [...Array.from({ length: MAX_ATTEMPTS + 2 }, () => ['failed', 'upstream_rate_limited', false]), ['succeeded', null, null]],
+  );
+});
+
 t.test('connection refused: upstream_connection_error', async (t) => {
   const closedPort = await freePort();
   const gateway = await startTestGateway(t, {
-    env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${closedPort}/v1`, MAX_ATTEMPTS: '2' },
+    env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${closedPort}/v1`, MAX_ATTEMPTS: '1' },
   });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
   const row = await waitForRow(gateway.db, accepted.body.id, isTerminal);
-  t.match(row, { status: 'failed', attempts: 2, last_error_code: 'upstream_connection_error' });
+  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_connection_error' });
   const attempts = await attemptRows(gateway.db, row.id);
   t.match(attempts[0], { error_code: 'upstream_connection_error', error_detail: /ECONNREFUSED/ });
 });
@@ -110,6 +131,23 @@ t.test('a retry-after longer than the backoff is honoured', async (t) => {
   t.match(row, { status: 'completed', attempts: 2, last_error_code: 'upstream_rate_limited' });
   const gap = attempts[1]!.started_at.getTime() - attempts[0]!.finished_at!.getTime();
   t.ok(gap >= 950, `the second attempt started ${gap} ms after the first ended (retry-after: 1 s, backoff cap 40 ms)`);
+});
+
+t.test('a retry-after of 1e308 pauses the lane for an hour at most, and the request waits for it', async (t) => {
+  const upstream = await startFakeUpstream(t, () => ({ status: 429, headers: { 'retry-after': '1e308' } }));
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
+  const row = await waitForRow(gateway.db, accepted.body.id, (request) => request.status === 'retrying');
+  t.match(row, { attempts: 1, charged_attempts: 0, last_error_code: 'upstream_rate_limited' });
+  const { rows } = await gateway.pool.query(
+    `select extract(epoch from paused_until - now()) as paused_for from gateway.lanes where upstream = 'default'`,
+  );
+  const pausedFor = Number(rows[0].paused_for);
+  t.ok(pausedFor > 3_500 && pausedFor <= 3_600, `the lane paused for ${pausedFor.toFixed(0)} s: the hour of the cap, not forever`);
+  const waitFor = (row.next_attempt_at!.getTime() - Date.now()) / 1000;
+  t.ok(waitFor > 3_500 && waitFor <= 3_600, `and the request's next attempt is ${waitFor.toFixed(0)} s away`);
+  t.equal(upstream.calls.length, 1);
 });
 
 t.test('the upstream receives the stored body and the upstream key, never our own fields', async (t) => {

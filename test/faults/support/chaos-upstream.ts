@@ -27,13 +27,14 @@ export const BEHAVIOURS = {
 
 export type Behaviour = keyof typeof BEHAVIOURS;
 
-/** The contract's retryable attempt codes (CONTRACT.md section 1). */
+/** The retried attempt codes: all but upstream_bad_request (the request's own fault). */
 export const RETRYABLE = new Set([
   'upstream_timeout',
   'upstream_connection_error',
   'upstream_rate_limited',
   'upstream_server_error',
   'upstream_invalid_response',
+  'upstream_auth_error',
   'worker_lost',
 ]);
 

@@ -12,12 +12,17 @@ export interface AttemptRow {
   error_detail: string | null;
   duration_ms: number | null;
   worker_id: string | null;
+  /** The upstream that ran it. */
+  upstream: string | null;
+  /** Whether it counted toward MAX_ATTEMPTS (null while running, or when it succeeded). */
+  charged: boolean | null;
 }
 
 export interface RequestWithAttempts {
   id: string;
   status: string;
   attempts: number;
+  charged_attempts: number;
   last_error_code: string | null;
   created_at: Date;
   finished_at: Date | null;
@@ -27,15 +32,17 @@ export interface RequestWithAttempts {
   attempt_rows: AttemptRow[];
 }
 
-/** The requests with these ids (all of them when `ids` is undefined), each with its attempts. */
+/** The requests with these ids (all of them when `ids` is undefined), oldest first, each with its attempts. */
 export async function requestsWithAttempts(pool: pg.Pool, ids?: string[]): Promise<RequestWithAttempts[]> {
   const { rows } = await pool.query<Omit<RequestWithAttempts, 'attempt_rows'> & { attempt_rows: any[] }>(
-    `select r.id, r.status, r.attempts, r.last_error_code, r.created_at, r.finished_at, r.idempotency_key, r.result,
+    `select r.id, r.status, r.attempts, r.charged_attempts, r.last_error_code, r.created_at, r.finished_at, r.idempotency_key, r.result,
             coalesce((select json_agg(a order by a.attempt_number)
-                      from (select attempt_number, started_at, finished_at, outcome, upstream_status, error_code, error_detail, duration_ms, worker_id
+                      from (select attempt_number, started_at, finished_at, outcome, upstream_status, error_code, error_detail, duration_ms,
+                                   worker_id, upstream, charged
                             from gateway.request_attempts where request_id = r.id) as a), '[]') as attempt_rows
      from gateway.requests as r
-     where $1::text[] is null or r.id = any($1::text[])`,
+     where $1::text[] is null or r.id = any($1::text[])
+     order by r.created_at, r.id`,
     [ids ?? null],
   );
   return rows.map((row) => ({

@@ -1,0 +1,61 @@
+// Reads of keys the cache does not hold, bounded per API process: at most IN_FLIGHT under way
+// (each holds one of the API pool's connections), and WAITING more in line for their turn, first
+// come first served. Beyond that a request is refused 503 service_unavailable with retry-after.
+//
+// A flood of keys that pass the checksum (computed by someone who read ids.ts, or of the length
+// keys had before checksums) then holds a few of the pool's connections, not all of them, and
+// the rest serve the requests of keys the cache holds, which never come here. Why 503 and not
+// 401: the key may be good, it was not looked at, and a client must not be told it is invalid
+// (the client library does not retry a 401; it retries a 503 after its retry-after). Why not
+// 429: that is a key's own rate; this is the process's load, whoever sends it.
+import { serviceUnavailable } from '../errors.ts';
+
+/** Reads under way at once: a few of the API pool's connections (DATABASE_POOL_SIZE, 10 by default). */
+const IN_FLIGHT = 4;
+/**
+ * Reads waiting for their turn. A read by the key's unique index takes about a millisecond, so
+ * a full line is through in tens of milliseconds while the database is well.
+ */
+const WAITING = 64;
+
+export class KeyReads {
+  readonly #maxInFlight: number;
+  readonly #maxWaiting: number;
+  readonly #onRefused: (() => void) | undefined;
+  #inFlight = 0;
+  /** Each waiter's turn: called when a read ends, handing it that read's place. */
+  readonly #waiting: (() => void)[] = [];
+
+  constructor(options: { inFlight?: number; waiting?: number; onRefused?: () => void } = {}) {
+    this.#maxInFlight = options.inFlight ?? IN_FLIGHT;
+    this.#maxWaiting = options.waiting ?? WAITING;
+    this.#onRefused = options.onRefused;
+  }
+
+  get inFlight(): number {
+    return this.#inFlight;
+  }
+
+  get waiting(): number {
+    return this.#waiting.length;
+  }
+
+  /** Runs `read` when a place is free, or throws the 503 when the line is full too. */
+  async run<T>(read: () => Promise<T>): Promise<T> {
+    if (this.#inFlight < this.#maxInFlight) {
+      this.#inFlight++;
+    } else if (this.#waiting.length < this.#maxWaiting) {
+      await new Promise<void>((turn) => this.#waiting.push(turn));
+    } else {
+      this.#onRefused?.();
+      throw serviceUnavailable(1, 'The gateway is busy; try again in a moment.');
+    }
+    try {
+      return await read();
+    } finally {
+      const next = this.#waiting.shift();
+      if (next) next();
+      else this.#inFlight--;
+    }
+  }
+}

@@ -1,0 +1,52 @@
+// SQL of the deadline expiry (worker/deadlines.ts): requests not finished by their deadline fail
+// with deadline_exceeded.
+import { sql } from 'kysely';
+import type { Db } from '../db/pool.ts';
+import type { KeyMode } from '../ids.ts';
+import { DEADLINE_EXCEEDED } from '../upstream/outcome.ts';
+
+/** How many requests of a mode an expiry failed, from one status. */
+export interface Expired {
+  mode: KeyMode;
+  from: 'queued' | 'processing' | 'retrying';
+  count: number;
+}
+
+/**
+ * Fails up to `limit` unfinished requests whose deadline has passed, oldest deadline first, in
+ * one statement: each becomes failed with last_error_code deadline_exceeded, and its running
+ * attempt, if it has one, is recorded as failed with that code. Rows locked by another statement
+ * (another worker's expiry, an outcome being recorded) are skipped: the next run looks again.
+ * The request's end does the rest through the triggers of gateway.requests: NOTIFY
+ * gateway_requests_finished wakes its waiters and makes the worker holding its call abort it,
+ * and its request.failed webhook messages are written in this transaction.
+ */
+export async function expireRequests(db: Db, limit: number): Promise<Expired[]> {
+  const { rows } = await sql<{ mode: KeyMode; previous_status: Expired['from']; count: string }>`
+    with due as (
+      select requests.id, requests.status
+      from gateway.requests
+      where requests.finished_at is null and requests.deadline_at <= now()
+      order by requests.deadline_at
+      limit ${limit}
+      for update skip locked
+    ), expired as (
+      update gateway.requests
+      set status = 'failed', last_error_code = ${DEADLINE_EXCEEDED}, finished_at = now(), next_attempt_at = null,
+          updated_at = now()
+      from due
+      where requests.id = due.id
+      returning requests.id, requests.mode, requests.attempts, due.status as previous_status
+    ), cut as (
+      update gateway.request_attempts
+      set outcome = 'failed', error_code = ${DEADLINE_EXCEEDED},
+          error_detail = 'the request''s deadline passed during the call', finished_at = now(),
+          duration_ms = round(extract(epoch from now() - request_attempts.started_at) * 1000)::int
+      from expired
+      where request_attempts.request_id = expired.id and request_attempts.attempt_number = expired.attempts
+        and request_attempts.outcome = 'running'
+    )
+    select mode, previous_status, count(*) as count from expired group by mode, previous_status
+  `.execute(db);
+  return rows.map((row) => ({ mode: row.mode, from: row.previous_status, count: Number(row.count) }));
+}

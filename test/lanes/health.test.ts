@@ -1,0 +1,164 @@
+// Lane health and deployments, over short outages of loopback upstreams: a lane whose provider
+// fails opens, its requests wait uncharged while one probe at a time tries it, and a probe that
+// succeeds closes it; a model's second deployment takes its requests while the first is open;
+// a request failing alone where others succeed (poison) is charged and fails, and the lane stays
+// healthy; a renamed model reaches its upstream under the upstream's own name.
+import { setTimeout as sleep } from 'node:timers/promises';
+import t, { type Test } from 'tap';
+import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
+import { parseMetrics } from '../helpers/metrics.ts';
+import { completionFor, startFakeUpstream, type FakeUpstream } from '../helpers/upstream.ts';
+import { upstreamsFile } from '../helpers/upstreams-file.ts';
+import { until } from '../helpers/wait.ts';
+
+/** An upstream that answers 503 while `down`, and completions otherwise. */
+async function switchableUpstream(t: Test) {
+  const state = { down: false, failed: 0 };
+  const upstream = await startFakeUpstream(t, (call) => {
+    if (state.down) {
+      state.failed++;
+      return { status: 503 };
+    }
+    return { status: 200, json: completionFor(call.body) };
+  });
+  return Object.assign(upstream, { state });
+}
+
+async function laneState(gateway: TestGateway, upstream: string) {
+  const { rows } = await gateway.pool.query('select * from gateway.lane_states where upstream = $1', [upstream]);
+  return rows[0];
+}
+
+async function requestRows(gateway: TestGateway, ids: string[]) {
+  const { rows } = await gateway.pool.query(
+    'select id, status, attempts, charged_attempts, last_error_code from gateway.requests where id = any($1) order by id',
+    [ids],
+  );
+  return rows;
+}
+
+const allCompleted = (gateway: TestGateway, ids: string[]) => async () =>
+  (await requestRows(gateway, ids)).every((row) => row.status === 'completed');
+
+async function submit(gateway: TestGateway, key: Awaited<ReturnType<TestGateway['createKey']>>, model: string, count: number, label: string) {
+  const client = clientFor(gateway.url, key);
+  return Promise.all(
+    Array.from({ length: count }, async (_, i) => {
+      const answer = await client.post({ model, messages: userMessage(`${label} ${i}`) });
+      if (answer.status !== 202) throw new Error(`not accepted: ${answer.status}`);
+      return answer.body.id as string;
+    }),
+  );
+}
+
+t.test('a failing provider opens its lane: requests wait uncharged, probes go one at a time, a probe that succeeds closes it', async (t) => {
+  const upstream = await switchableUpstream(t);
+  const file = await upstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: ['gpt-test'] }]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, MAX_ATTEMPTS: '3', METRICS_PORT: '0' } });
+  const key = await gateway.createKey({ mode: 'live' });
+
+  upstream.state.down = true;
+  const ids = await submit(gateway, key, 'gpt-test', 8, 'outage');
+  await until(async () => ['open', 'probing'].includes((await laneState(gateway, 'primary'))?.health), 'the lane to open', 10_000);
+  const open = await laneState(gateway, 'primary');
+  t.match(open, { health: /^(open|probing)$/, last_error: 'upstream_server_error: upstream answered HTTP 503' }, 'the lane says why it is open');
+  t.ok(open.health_since instanceof Date, 'and since when');
+
+  // Probes: at most one call in flight, about one in the first seconds (1 s, then 2 s, ...).
+  const failedWhenOpened = upstream.state.failed;
+  await sleep(3_500);
+  const probes = upstream.state.failed - failedWhenOpened;
+  t.ok(probes >= 1 && probes <= 3, `${probes} probes in 3.5 s while open`);
+  const waiting = await requestRows(gateway, ids);
+  t.ok(waiting.every((row) => row.status === 'queued' || row.status === 'retrying'), 'no request failed: they wait');
+  t.ok(waiting.every((row) => row.charged_attempts <= 1), `at most the first failure charged: ${waiting.map((row) => row.charged_attempts)}`);
+
+  upstream.state.down = false;
+  await until(allCompleted(gateway, ids), 'every request to complete after the provider is back', 20_000);
+  t.equal((await laneState(gateway, 'primary')).health, 'healthy', 'a probe that succeeded closed the lane');
+
+  const changes = gateway.logs.map((line) => JSON.parse(line)).filter((line) => line.msg === 'lane health changed');
+  t.match(changes[0], { upstream: 'primary', model: 'gpt-test', from: 'healthy', to: 'open', reason: /upstream_server_error/ });
+  t.match(changes.at(-1), { upstream: 'primary', to: 'healthy' });
+  const metrics = parseMetrics(await (await fetch(`${gateway.metricsUrl}/metrics`)).text());
+  t.ok((metrics.get('gateway_lane_health_changes_total{upstream="primary",health="open"}') ?? 0) >= 1, 'the metric counts the opening');
+  t.ok((metrics.get('gateway_lane_health_changes_total{upstream="primary",health="healthy"}') ?? 0) >= 1, 'and the closing');
+});
+
+t.test('a model\'s second deployment takes its requests while the first is open, and the first takes them back once it recovers', async (t) => {
+  const primary = await switchableUpstream(t);
+  const secondary = await switchableUpstream(t);
+  const file = await upstreamsFile(t, [
+    { name: 'primary', base_url: primary.baseUrl, models: ['gpt-test'] },
+    { name: 'secondary', base_url: secondary.baseUrl, models: [{ 'gpt-test': 'gpt-test-on-secondary' }] },
+  ]);
+  // (an upstream timeout far above a loaded machine's delays: only the 503s are failures here)
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '10000' } });
+  const key = await gateway.createKey({ mode: 'live' });
+
+  const before = await submit(gateway, key, 'gpt-test', 3, 'before');
+  await until(allCompleted(gateway, before), 'the first requests to complete');
+  t.equal(primary.calls.length, 3, 'the first deployment is preferred');
+  t.equal(secondary.calls.length, 0);
+
+  primary.state.down = true;
+  const during = await submit(gateway, key, 'gpt-test', 10, 'during');
+  await until(allCompleted(gateway, during), 'the requests to complete during the outage', 15_000);
+  t.ok(['open', 'probing'].includes((await laneState(gateway, 'primary')).health), 'the first deployment is open');
+  t.ok(secondary.calls.length >= 1, `the second took ${secondary.calls.length}`);
+  t.ok(secondary.calls.every((call: FakeUpstream['calls'][number]) => call.body.model === 'gpt-test-on-secondary'), 'under its own name for the model');
+  const { rows: attempts } = await gateway.pool.query(
+    `select upstream, outcome, count(*)::int as count from gateway.request_attempts where request_id = any($1) group by 1, 2 order by 1, 2`,
+    [during],
+  );
+  t.match(attempts.find((row) => row.upstream === 'secondary'), { outcome: 'succeeded', count: 10 }, 'every request completed on the second');
+
+  // A probe is one of the model's requests: with traffic, the first lane's next probe succeeds.
+  primary.state.down = false;
+  const traffic: string[] = [];
+  await until(
+    async () => {
+      traffic.push(...(await submit(gateway, key, 'gpt-test', 1, 'traffic')));
+      return (await laneState(gateway, 'primary')).health === 'healthy';
+    },
+    'a probe to close the first lane',
+    20_000,
+  );
+  await until(allCompleted(gateway, traffic), 'the requests sent meanwhile to complete');
+  const primaryCalls = primary.calls.length;
+  const secondaryCalls = secondary.calls.length;
+  const after = await submit(gateway, key, 'gpt-test', 3, 'after');
+  await until(allCompleted(gateway, after), 'the last requests to complete');
+  if (primary.calls.length - primaryCalls !== 3) {
+    t.comment(JSON.stringify(gateway.logs.filter((line) => line.includes('lane health changed') || line.includes('attempt failed')).slice(-30), null, 1));
+    t.comment(JSON.stringify((await gateway.pool.query('select * from gateway.lane_states')).rows));
+  }
+  t.equal(primary.calls.length - primaryCalls, 3, 'traffic moved back to the first');
+  t.equal(secondary.calls.length - secondaryCalls, 0);
+});
+
+t.test('a poison request is charged and fails after MAX_ATTEMPTS, while the lane stays healthy', async (t) => {
+  const upstream = await startFakeUpstream(t, (call) =>
+    JSON.stringify(call.body).includes('POISON') ? { status: 500 } : { status: 200, json: completionFor(call.body) },
+  );
+  const file = await upstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: ['gpt-test'] }]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, MAX_ATTEMPTS: '5', RETRY_BASE_MS: '100', RETRY_MAX_MS: '200' } });
+  const key = await gateway.createKey({ mode: 'live' });
+  const [poison] = await submit(gateway, key, 'gpt-test', 1, 'POISON');
+  const healthy: string[] = [];
+  let lanes = new Set<string>();
+  for (let i = 0; i < 20; i++) {
+    healthy.push(...(await submit(gateway, key, 'gpt-test', 2, `fine ${i}`)));
+    lanes = lanes.add((await laneState(gateway, 'primary'))?.health ?? 'healthy');
+    await sleep(100);
+  }
+  await until(async () => (await requestRows(gateway, [poison!]))[0].status === 'failed', 'the poison request to fail', 10_000);
+  const failed = (await requestRows(gateway, [poison!]))[0];
+  t.match(failed, { charged_attempts: 5, last_error_code: 'upstream_server_error' }, 'failed once 5 attempts were charged');
+  // (an attempt with no success on the lane since the one before is not charged)
+  t.ok(failed.attempts >= 5 && failed.attempts <= 7, `in ${failed.attempts} attempts`);
+  await until(allCompleted(gateway, healthy), 'the others to complete');
+  t.same([...lanes], ['healthy'], 'the lane never opened');
+  t.notOk(gateway.logs.some((line) => line.includes('lane health changed')));
+});

@@ -1,0 +1,64 @@
+// A lane's tokens_per_minute against large prompts: a prompt larger than a minute of every
+// deployment's tokens is refused at intake, and an attempt that ends without usage (the
+// provider refused the prompt) gives its estimate back, so the lane does not stay shut for the
+// other requests.
+import t from 'tap';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor } from '../helpers/http.ts';
+import { countRows, isTerminal, waitForRow } from '../helpers/rows.ts';
+import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { upstreamsFile } from '../helpers/upstreams-file.ts';
+
+/** A prompt of about `tokens` tokens. */
+const prompt = (tokens: number) => [{ role: 'user', content: 'word '.repeat(tokens) }];
+
+t.test('a prompt larger than a minute of every deployment\'s tokens is a 400 naming messages, and nothing is stored', async (t) => {
+  const upstream = await startFakeUpstream(t);
+  const file = await upstreamsFile(t, [
+    { name: 'small', base_url: upstream.baseUrl, models: ['gpt-small'], limits: { tokens_per_minute: 1000 } },
+    { name: 'small-too', base_url: upstream.baseUrl, models: ['gpt-small', 'gpt-mixed'], limits: { tokens_per_minute: 1500 } },
+    { name: 'unlimited', base_url: upstream.baseUrl, models: ['gpt-mixed'] },
+  ]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+
+  const refused = await client.post({ model: 'gpt-small', messages: prompt(2_000) });
+  t.equal(refused.status, 400);
+  t.match(refused.body.error, {
+    type: 'invalid_request_error',
+    code: 'invalid_parameter',
+    param: 'messages',
+    message: /estimated at \d+ tokens, more than the 1500 tokens per minute that the upstreams serving 'gpt-small' allow/,
+  });
+  t.equal(await countRows(gateway.db, 'requests'), 0, 'no request stored');
+  const { rows } = await gateway.pool.query('select count(*)::int as count from gateway.queues');
+  t.equal(rows[0].count, 0, 'nor its queue');
+
+  const fits = await client.post({ model: 'gpt-small', messages: prompt(500), wait: true });
+  t.equal(fits.status, 200, 'a prompt that fits is served');
+  const mixed = await client.post({ model: 'gpt-mixed', messages: prompt(2_000), wait: true });
+  t.equal(mixed.status, 200, 'a large prompt is served when a deployment has no token limit');
+});
+
+t.test('a prompt the provider refuses (no usage) gives its estimate back: the next request starts at once', async (t) => {
+  const upstream = await startFakeUpstream(t, (call) =>
+    JSON.stringify(call.body).length > 5_000 ? { status: 400, json: { error: { message: 'too long' } } } : { status: 200, json: completionFor(call.body) },
+  );
+  // 3,000 tokens a minute: a 2,000-token prompt overdraws the lane by some 40 s worth.
+  const file = await upstreamsFile(t, [
+    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 3000 } },
+  ]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+
+  const large = await client.post({ model: 'gpt-limited', messages: prompt(2_000) });
+  t.equal(large.status, 202);
+  t.match(await waitForRow(gateway.db, large.body.id, isTerminal), { status: 'failed', last_error_code: 'upstream_bad_request' });
+  const { rows } = await gateway.pool.query(`select token_allowance from gateway.lanes where upstream = 'limited'`);
+  t.ok(rows[0].token_allowance > -100, `the lane's allowance is back near full (${Math.round(rows[0].token_allowance)} tokens), not some 2,000 below`);
+
+  const started = Date.now();
+  const small = await client.post({ model: 'gpt-limited', messages: prompt(10), wait: true });
+  t.equal(small.status, 200, 'the next request completes');
+  t.ok(Date.now() - started < 2_000, `at once (${Date.now() - started} ms), not after the lane paid back the refused prompt`);
+});

@@ -1,0 +1,85 @@
+// Completions are recorded in fewer steps when their lanes have nothing to learn from them
+// (attempts-repository.ts, finishCompletions); a lane that has (a failure streak, an open window
+// of failures, a token allowance) learns from them as from any other group.
+import type pg from 'pg';
+import t, { type Test } from 'tap';
+import { createDb, createPool } from '../../src/db/pool.ts';
+import { createLogger } from '../../src/logger.ts';
+import { LANE_HEALTH } from '../../src/lanes/health.ts';
+import { finishAttempts, type Finish } from '../../src/worker/attempts-repository.ts';
+import { createTestDatabase } from '../helpers/database.ts';
+
+const SETTINGS = { maxAttempts: 5, health: LANE_HEALTH };
+const USAGE = { prompt: 60, completion: 20, total: 80 };
+
+async function setUp(t: Test, lane: string) {
+  const url = await createTestDatabase(t);
+  const pool = createPool(url, { max: 2, applicationName: 'finish-completions-test', logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  await pool.query(`
+    with project as (insert into gateway.projects (name) values ('finishing') returning id),
+    key as (
+      insert into gateway.api_keys (id, project_id, mode, key_sha256, key_hint, signing_secret_ciphertext)
+      select 'key_finishingFinishing01', id, 'live', sha256('k'), 'k', '\\x00' from project returning id, project_id
+    ), queue as (insert into gateway.queues (mode, model) values ('live', 'm') returning id),
+    lane as (insert into gateway.lanes (mode, upstream, model, queue_id) select 'live', 'primary', 'm', id from queue returning id),
+    requests as (
+      insert into gateway.requests (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, queue_id, lane_id,
+                                    prompt_tokens_estimate)
+      select 'req_finishing' || n || 'Finishing0000', key.project_id, 'live', key.id, 'processing', 1, 'm', '{}', sha256('b'),
+             queue.id, lane.id, 50
+      from key, queue, lane, generate_series(1, 2) as n
+      returning id
+    )
+    insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream) select id, 1, 'w', 'primary' from requests`);
+  await pool.query(`update gateway.lanes set ${lane}`);
+  const completions: Finish[] = [1, 2].map((n) => ({
+    kind: 'completed', id: `req_finishing${n}Finishing0000`, attempt: 1, laneId: '1', result: '{"object":"chat.completion"}',
+    usage: USAGE, upstreamStatus: 200, durationMs: 5,
+  }));
+  return { pool, db: createDb(pool), completions };
+}
+
+const laneRow = async (pool: pg.Pool) => (await pool.query('select * from gateway.lanes')).rows[0] as Record<string, unknown>;
+const requestRows = async (pool: pg.Pool) =>
+  (await pool.query(`select requests.status, requests.total_tokens, requests.charged_attempts, request_attempts.outcome, request_attempts.charged
+                     from gateway.requests join gateway.request_attempts on request_attempts.request_id = requests.id order by requests.id`)).rows;
+const RECORDED = [1, 2].map(() => ({ status: 'completed', total_tokens: 80, charged_attempts: 0, outcome: 'succeeded', charged: null }));
+
+t.test('completions on a lane with nothing to learn: their rows written, the lane left as it was', async (t) => {
+  const { pool, db, completions } = await setUp(t, `health = 'healthy'`);
+  const before = await laneRow(pool);
+  const result = await finishAttempts(db, completions, SETTINGS);
+  t.same(result, { finished: [1, 2].map(() => ({ status: 'completed', charged: null })), laneChanges: [] });
+  t.same(await requestRows(pool), RECORDED, 'completed, with their usage, and their attempts succeeded');
+  t.same(await laneRow(pool), before, 'the lane row is unchanged');
+  t.same((await finishAttempts(db, completions, SETTINGS)).finished, [null, null], 'a second report of the same attempts changes nothing');
+});
+
+t.test('completions on a lane with a failure streak and a window of failures open reset the streak and count in the window', async (t) => {
+  const { pool, db, completions } = await setUp(
+    t,
+    `failure_streak = 3, last_failed_request_id = 'req_otherOtherOtherOther01', window_started_at = now(), window_calls = 4, window_failures = 3`,
+  );
+  await finishAttempts(db, completions, SETTINGS);
+  t.same(await requestRows(pool), RECORDED);
+  t.match(await laneRow(pool), { health: 'healthy', failure_streak: 0, last_failed_request_id: null, window_calls: 6, window_failures: 3 });
+});
+
+t.test('completions on a token-limited lane correct its allowance from the estimate to the usage', async (t) => {
+  const { pool, db, completions } = await setUp(t, `tokens_per_minute = 10000, token_allowance = 1000`);
+  await finishAttempts(db, completions, SETTINGS);
+  t.same(await requestRows(pool), RECORDED);
+  // Each used 80 tokens where 50 were estimated: 30 more each.
+  t.equal(Number((await laneRow(pool)).token_allowance), 940);
+});
+
+t.test('a completion on an open lane (its probe) closes it', async (t) => {
+  const { pool, db, completions } = await setUp(
+    t,
+    `health = 'probing', health_since = now() - interval '1 minute', probe_request_id = 'req_finishing1Finishing0000', probe_interval_ms = 2000`,
+  );
+  const result = await finishAttempts(db, completions.slice(0, 1), SETTINGS);
+  t.match(result.laneChanges, [{ from: 'probing', to: 'healthy' }]);
+  t.match(await laneRow(pool), { health: 'healthy', probe_request_id: null });
+});
