@@ -3,7 +3,9 @@
 // (revoked, deleted) is announced by NOTIFY and dropped at once; while the LISTEN connection is
 // down nothing is cached or served from the cache; and entries expire anyway after a minute.
 // Requests that miss the same key at the same time (a cold cache under load, an entry just
-// expired) share one read of it.
+// expired, the LISTEN connection down) share one read of it: a process whose LISTEN connection
+// is lost under load does not read a busy key once per request, nor refuse its requests for
+// want of room among the bounded reads (reads.ts).
 //
 // Keys that are not there (unknown, revoked) are remembered too, for a few seconds, so that a
 // client repeating a wrong key, or a flood of one, costs one read per few seconds rather than
@@ -122,11 +124,12 @@ export class KeyCache {
   /**
    * The key read by `read` (undefined: no such key, or revoked) and cached (a miss briefly: a key
    * missed a moment ago is not read again), the one read shared by the callers that miss it
-   * until it is done. A caller that comes after
-   * an invalidation starts a read of its own: it must see the key as it is since then.
+   * until it is done. A caller that comes after an invalidation starts a read of its own: it must
+   * see the key as it is since then. While the LISTEN connection is down the read is shared all
+   * the same, and nothing is cached (#set and #setMiss keep nothing then); losing or regaining
+   * the connection empties #reading, so no caller joins a read begun before either.
    */
   read(keySha256: Buffer, read: () => Promise<Auth | undefined>): Promise<Auth | undefined> {
-    if (!this.#listener.listening) return read();
     if (this.missed(keySha256)) return Promise.resolve(undefined);
     const sha = keySha256.toString('hex');
     const shared = this.#reading.get(sha);

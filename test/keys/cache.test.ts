@@ -5,6 +5,7 @@
 import t from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
 import { KeyCache } from '../../src/keys/cache.ts';
+import { KeyReads } from '../../src/keys/reads.ts';
 import { revokeKey } from '../../src/keys/repository.ts';
 import { authenticate } from '../../src/keys/service.ts';
 import { hashApiKey } from '../../src/keys/secrets.ts';
@@ -136,6 +137,36 @@ t.test('requests that miss the same key at once share one read of it', async (t)
   for (const attempt of refused) await t.rejects(attempt, { code: 'invalid_api_key' });
   t.equal(acquired, 2, 'an unknown key is read once for the 5 requests too');
   t.equal(cache.size, 0, 'and is no entry of the cache');
+});
+
+t.test('while the LISTEN connection is down, requests that miss the same key at once still share one read, and nothing is cached', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const pool = createPool(gateway.databaseUrl, { max: 10, applicationName: 'key-reads-test', logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  let acquired = 0;
+  pool.on('acquire', () => acquired++);
+  const db = createDb(pool);
+  const listener = fakeListener();
+  listener.listening = false;
+  const cache = new KeyCache(listener);
+  // The bound on reads of keys not in the cache (4 under way, 64 waiting): 200 requests of one
+  // key, each with a read of its own, would have 132 of them refused 503.
+  const reads = new KeyReads();
+
+  const outcomes = await Promise.allSettled(Array.from({ length: 200 }, () => authenticate(db, `Bearer ${key.api_key}`, { cache, reads })));
+  t.equal(outcomes.filter((outcome) => outcome.status === 'fulfilled' && outcome.value.keyId === key.id).length, 200, 'every request authenticated');
+  t.equal(acquired, 1, 'by one read');
+  t.equal(cache.size, 0, 'nothing cached while notifications could be missed');
+
+  await authenticate(db, `Bearer ${key.api_key}`, { cache, reads });
+  t.equal(acquired, 2, 'a later request reads the key again');
+  const missing = `svc_test_${'0'.repeat(40)}`;
+  for (const outcome of await Promise.allSettled(Array.from({ length: 5 }, () => authenticate(db, `Bearer ${missing}`, { cache, reads })))) {
+    t.equal(outcome.status === 'rejected' && (outcome.reason as { code?: string }).code, 'invalid_api_key');
+  }
+  t.equal(acquired, 3, 'an unknown key is read once for 5 requests at once');
+  t.equal(cache.misses, 0, 'and not remembered');
 });
 
 t.test('an unknown key costs one read however often it comes, and a key created right after works at once', async (t) => {
