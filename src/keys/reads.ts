@@ -9,6 +9,7 @@
 // (the client library does not retry a 401; it retries a 503 after its retry-after). Why not
 // 429: that is a key's own rate; this is the process's load, whoever sends it.
 import { serviceUnavailable } from '../errors.ts';
+import { Line } from '../line.ts';
 
 /** Reads under way at once: a few of the API pool's connections (DATABASE_POOL_SIZE, 10 by default). */
 const IN_FLIGHT = 4;
@@ -18,44 +19,13 @@ const IN_FLIGHT = 4;
  */
 const WAITING = 64;
 
-export class KeyReads {
-  readonly #maxInFlight: number;
-  readonly #maxWaiting: number;
-  readonly #onRefused: (() => void) | undefined;
-  #inFlight = 0;
-  /** Each waiter's turn: called when a read ends, handing it that read's place. */
-  readonly #waiting: (() => void)[] = [];
-
+export class KeyReads extends Line {
   constructor(options: { inFlight?: number; waiting?: number; onRefused?: () => void } = {}) {
-    this.#maxInFlight = options.inFlight ?? IN_FLIGHT;
-    this.#maxWaiting = options.waiting ?? WAITING;
-    this.#onRefused = options.onRefused;
-  }
-
-  get inFlight(): number {
-    return this.#inFlight;
-  }
-
-  get waiting(): number {
-    return this.#waiting.length;
-  }
-
-  /** Runs `read` when a place is free, or throws the 503 when the line is full too. */
-  async run<T>(read: () => Promise<T>): Promise<T> {
-    if (this.#inFlight < this.#maxInFlight) {
-      this.#inFlight++;
-    } else if (this.#waiting.length < this.#maxWaiting) {
-      await new Promise<void>((turn) => this.#waiting.push(turn));
-    } else {
-      this.#onRefused?.();
-      throw serviceUnavailable(1, 'The gateway is busy; try again in a moment.');
-    }
-    try {
-      return await read();
-    } finally {
-      const next = this.#waiting.shift();
-      if (next) next();
-      else this.#inFlight--;
-    }
+    super({
+      inFlight: options.inFlight ?? IN_FLIGHT,
+      waiting: options.waiting ?? WAITING,
+      refusal: () => serviceUnavailable(1, 'The gateway is busy; try again in a moment.'),
+      onRefused: options.onRefused,
+    });
   }
 }

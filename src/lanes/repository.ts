@@ -19,7 +19,7 @@ export interface Queue extends QueueKey {
 
 // pg_advisory_xact_lock key for "create a queue for a model only a pattern serves": an
 // arbitrary constant, fixed forever (db/migrate.ts has the one before it).
-const PATTERN_QUEUES_LOCK = 7_242_318_002;
+export const PATTERN_QUEUES_LOCK = 7_242_318_002;
 
 /**
  * The queue's id, its row created on first use (concurrent first uses agree on one row); its
@@ -34,24 +34,31 @@ export async function ensureQueue(db: Db, key: QueueKey): Promise<string> {
   return rows[0]!.id;
 }
 
+/** The queue's id, its use recorded (queues.used_at); undefined when it has no row. */
+export async function useQueue(db: Db, key: QueueKey): Promise<string | undefined> {
+  const { rows } = await sql<{ id: string }>`
+    update gateway.queues set used_at = now() where mode = ${key.mode} and model = ${key.model} returning id
+  `.execute(db);
+  return rows[0]?.id;
+}
+
 /**
  * The queue of a model that only a pattern serves, as ensureQueue gives it; but a new one only
  * while fewer than `max` queues of the mode are for models that `named` does not hold (the
  * models the configuration lists by name): undefined when it would be one too many. Creations
- * take their turns (an advisory lock), so that the bound holds across processes; a queue that
- * exists is found without one.
+ * take their turns (an advisory lock), so that the bound holds across processes. A caller looks
+ * for the queue with useQueue first: this holds a connection behind the lock.
  */
-export async function ensurePatternQueue(
+export async function createPatternQueue(
   db: Db,
   key: QueueKey,
   bound: { max: number; named: readonly string[] },
 ): Promise<string | undefined> {
   return db.transaction().execute(async (tx) => {
-    const { rows: found } = await sql<{ id: string }>`
-      update gateway.queues set used_at = now() where mode = ${key.mode} and model = ${key.model} returning id
-    `.execute(tx);
-    if (found[0]) return found[0].id;
     await sql`select pg_advisory_xact_lock(${PATTERN_QUEUES_LOCK}::bigint)`.execute(tx);
+    // Another process may have created it meanwhile.
+    const found = await useQueue(tx, key);
+    if (found !== undefined) return found;
     const { rows: counted } = await sql<{ queues: number }>`
       select count(*)::int as queues from (
         select from gateway.queues where mode = ${key.mode} and model <> all(${bound.named}::text[]) limit ${bound.max}

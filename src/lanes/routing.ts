@@ -8,12 +8,19 @@
 // sixth of PRUNE_IDLE_QUEUES_AFTER at most: looking a queue up again marks it used, so a queue
 // this process routes to is never idle long enough to be pruned (worker/prune.ts). Should one be
 // pruned all the same, the insert finds it gone and the request is routed again (requests/service.ts).
+//
+// A new model that only a pattern serves costs more: its queue is created under a lock that all
+// processes take in turn, to hold MAX_PATTERN_MODELS. A flood of invented names must not take
+// the pool's connections with it: each process creates one such queue at a time, with a short
+// line behind it (beyond it, a 503 busy), and once the bound is found reached, new names are
+// refused for a second without taking the lock (a queue that exists is still found).
 import { LRUCache } from 'lru-cache';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
-import { invalidRequest } from '../errors.ts';
+import { invalidRequest, serviceUnavailable } from '../errors.ts';
 import type { KeyMode } from '../ids.ts';
-import { ensurePatternQueue, ensureQueue, type QueueKey } from './repository.ts';
+import { Line } from '../line.ts';
+import { createPatternQueue, ensureQueue, useQueue, type QueueKey } from './repository.ts';
 import { estimatePromptTokens, loadTokenizer } from './tokens.ts';
 import { testBehaviour } from '../upstream/simulator.ts';
 import { deploymentsOf } from '../upstream/upstreams.ts';
@@ -22,6 +29,10 @@ import { deploymentsOf } from '../upstream/upstreams.ts';
 export const ANY_MODEL = '*';
 /** Queue ids remembered at most (the least recently used are forgotten first). */
 export const QUEUES_REMEMBERED = 10_000;
+/** How long a process refuses new pattern-served models without a look, once it found the bound reached. */
+const BOUND_REACHED_MS = 1_000;
+/** Creations of pattern-served queues waiting for their turn in a process (one is under way). */
+const CREATIONS_WAITING = 64;
 
 type RouterConfig = Pick<Config, 'upstreams' | 'testDelayMaxMs' | 'maxPatternModels' | 'pruneIdleQueuesAfterMs'>;
 
@@ -43,6 +54,14 @@ export class QueueRouter {
   readonly #named: readonly string[];
   /** Queue ids by mode and model; concurrent first uses share one read. */
   readonly #ids: LRUCache<string, Promise<string>>;
+  /** Creations of queues for models only a pattern serves: one at a time. */
+  readonly #creations = new Line({
+    inFlight: 1,
+    waiting: CREATIONS_WAITING,
+    refusal: () => serviceUnavailable(1, 'The gateway is busy; try again in a moment.'),
+  });
+  /** Until when (performance.now()) new pattern-served models are refused without a look. */
+  #boundReachedUntil = 0;
 
   constructor(db: Db, config: RouterConfig, options: { remembered?: number } = {}) {
     this.#db = db;
@@ -117,16 +136,19 @@ export class QueueRouter {
   }
 
   async #patternQueue(key: QueueKey): Promise<string> {
+    const found = await useQueue(this.#db, key);
+    if (found !== undefined) return found;
     const max = this.#config.maxPatternModels;
-    const id = await ensurePatternQueue(this.#db, key, { max, named: this.#named });
-    if (id === undefined) {
-      throw invalidRequest(
-        'invalid_parameter',
-        `Invalid 'model': the gateway already serves ${max} models that no upstream lists by name, as many as it may; '${key.model}' would be one more.`,
-        'model',
-      );
+    if (performance.now() >= this.#boundReachedUntil) {
+      const id = await this.#creations.run(() => createPatternQueue(this.#db, key, { max, named: this.#named }));
+      if (id !== undefined) return id;
+      this.#boundReachedUntil = performance.now() + BOUND_REACHED_MS;
     }
-    return id;
+    throw invalidRequest(
+      'invalid_parameter',
+      `Invalid 'model': the gateway already serves ${max} models that no upstream lists by name, as many as it may; '${key.model}' would be one more.`,
+      'model',
+    );
   }
 }
 

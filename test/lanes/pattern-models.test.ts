@@ -4,6 +4,7 @@
 // queues is bounded too, and looked up again often enough to keep them from being pruned.
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
+import { PATTERN_QUEUES_LOCK } from '../../src/lanes/repository.ts';
 import { QueueRouter } from '../../src/lanes/routing.ts';
 import { createLogger } from '../../src/logger.ts';
 import { pruneQueues } from '../../src/worker/prune.ts';
@@ -12,6 +13,7 @@ import { clientFor, userMessage } from '../helpers/http.ts';
 import { countRows } from '../helpers/rows.ts';
 import { startFakeUpstream } from '../helpers/upstream.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
+import { until } from '../helpers/wait.ts';
 
 async function counts(gateway: TestGateway) {
   const { rows } = await gateway.pool.query(`
@@ -100,7 +102,12 @@ t.test('a pruned model frees its place under MAX_PATTERN_MODELS', async (t) => {
   await gateway.pool.query('delete from gateway.requests');
   await gateway.pool.query(`update gateway.queues set used_at = now() - interval '2 hours'`);
   t.equal((await pruneQueues({ db: gateway.db, logger: silent }, 3_600_000)).length, 1, 'the idle queue is pruned');
-  t.equal((await live.post({ model: 'second-model', messages: userMessage() })).status, 202, 'then the other model has room');
+  // A process that found the bound reached refuses new names for a second without a look.
+  await until(
+    async () => (await live.post({ model: 'second-model', messages: userMessage() })).status === 202,
+    'the other model to have room',
+    5_000,
+  );
   t.same(await queueModels(gateway), ['second-model']);
 });
 
@@ -124,6 +131,46 @@ t.test('an API process remembers at most its bound of queues, and looks one up a
   await sleep(700);
   t.equal((await route('model-9')).queueId, again.queueId, 'the same queue');
   t.ok((await usedAt('model-9')) > first, 'looked up again, and marked used');
+});
+
+t.test('a flood of new pattern-served models holds one of the API pool\'s connections, not all of them: other requests are served meanwhile', async (t) => {
+  const upstream = await startFakeUpstream(t);
+  const file = await upstreamsFile(t, [{ name: 'any', base_url: upstream.baseUrl, models: ['gpt-4o', '*'] }]);
+  const gateway = await startTestGateway(t, { role: 'api', env: { UPSTREAMS_FILE: file } });
+  const flooder = clientFor(gateway.url, await gateway.createKey({ mode: 'live', project: 'flooder' }));
+  const other = clientFor(gateway.url, await gateway.createKey({ mode: 'live', project: 'other' }));
+  t.equal((await other.post({ model: 'gpt-4o', messages: userMessage() })).status, 202, 'the other project\'s key and queue are known');
+
+  // The lock that creations of pattern-served queues take in turn, held: each creation waits on it.
+  const locker = await gateway.pool.connect();
+  t.teardown(() => locker.release());
+  await locker.query('select pg_advisory_lock($1::bigint)', [PATTERN_QUEUES_LOCK]);
+  const waitingOnTheLock = async () => {
+    const { rows } = await gateway.pool.query<{ count: string }>(
+      `select count(*) from pg_stat_activity
+       where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
+    );
+    return Number(rows[0]!.count);
+  };
+
+  const answers: number[] = [];
+  const flood = Array.from({ length: 100 }, (_, i) =>
+    flooder.post({ model: `invented-${i}`, messages: userMessage() }).then((answer) => answers.push(answer.status)),
+  );
+  await until(async () => (await waitingOnTheLock()) >= 1, 'a creation to reach the lock');
+  await until(() => answers.length >= 35, 'the flood beyond the line to be answered');
+  await sleep(300);
+  t.equal(await waitingOnTheLock(), 1, 'one connection waits on the lock');
+  t.equal(answers.length, 35, 'one creation under way and 64 in line; the rest answered at once');
+  t.same(new Set(answers), new Set([503]), 'busy: 503');
+
+  const accepted = await other.post({ model: 'gpt-4o', messages: userMessage() });
+  t.equal(accepted.status, 202, 'another project\'s request is accepted meanwhile');
+  t.equal((await other.get(accepted.body.id)).status, 200, 'and looked up');
+
+  await locker.query('select pg_advisory_unlock($1::bigint)', [PATTERN_QUEUES_LOCK]);
+  await Promise.all(flood);
+  t.equal(answers.filter((status) => status === 202).length, 65, 'the creations in line go on once the lock is free');
 });
 
 const silent = createLogger({ logLevel: 'silent' });
