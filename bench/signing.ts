@@ -1,4 +1,4 @@
-// Signed requests for the load generator (CONTRACT.md section 5), built as raw HTTP/1.1 text.
+// Signed requests for the load generator (docs/signing.md), built as raw HTTP/1.1 text.
 // node:crypto's synchronous HMAC costs a few microseconds; the body's SHA-256 is computed once
 // per distinct body. Nonces are a per-run random prefix and a counter: unique per key, which is
 // all the contract asks of them, and far cheaper than fresh random bytes for every request.

@@ -33,7 +33,7 @@ if (record.status === 'completed') {
   console.log('failed:', record.last_error_code);
 }
 
-// 3. Errors are typed, and carry the contract's type and code.
+// 3. Errors are typed, and carry the error's type and code (docs/errors.md).
 try {
   await client.requests.get('req_00000000000000000000');
 } catch (error) {

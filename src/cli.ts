@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// gateway: the command line (CONTRACT.md section 7). From a checkout: npm run gateway -- <command>.
+// gateway: the command line (docs/cli.md). From a checkout: npm run gateway -- <command>.
 // This file picks the command; src/cli/ parses its arguments, and main.ts runs it.
 import './heap.ts'; // first: V8 settings that must precede any allocation
 import * as v from 'valibot';

@@ -1,4 +1,4 @@
-// The one error model of the API (CONTRACT.md section 6). Anything in the code may throw an
+// The one error model of the API (docs/errors.md). Anything in the code may throw an
 // ApiError; the error middleware renders it as { error: { message, type, code, param } }.
 // Any other error becomes a 500 internal_error whose details go to the log, never the client.
 
@@ -81,7 +81,7 @@ export const idempotencyKeyReused = () =>
     { param: 'idempotency_key' },
   );
 
-/** An intake limit (CONTRACT.md section 10) refuses the request; `message` says which. */
+/** An intake limit (docs/lanes.md, "Intake limits") refuses the request; `message` says which. */
 export const rateLimitExceeded = (retryAfterSeconds: number, message: string) =>
   new ApiError(429, 'rate_limit_error', 'rate_limit_exceeded', message, { retryAfter: retryAfterSeconds });
 

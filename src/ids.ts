@@ -54,7 +54,10 @@ export function requestIdFloor(ms: number): string {
 
 export type KeyMode = 'live' | 'test';
 
-/** A well-formed key (CONTRACT.md section 4): whether the gateway could have issued it is mayBeIssuedApiKey's question. */
+/**
+ * A well-formed key (docs/api.md, "Authentication and keys"): whether the gateway could have
+ * issued it is mayBeIssuedApiKey's question.
+ */
 export const API_KEY = /^svc_(live|test)_[A-Za-z0-9]{32,}$/;
 
 // A key ends with a checksum, as GitHub's tokens do: `svc_live_` or `svc_test_`, 40 random

@@ -1,5 +1,6 @@
-// Authentication (CONTRACT.md sections 4 and 6) and request signing (section 5): each way a
-// request can be unauthenticated or wrongly signed gets 401 with its own code, and stores nothing.
+// Authentication (docs/api.md, "Authentication and keys"; docs/errors.md) and request signing
+// (docs/signing.md): each way a request can be unauthenticated or wrongly signed gets 401 with its
+// own code, and stores nothing.
 import t from 'tap';
 import { revokeKey } from '../src/keys/service.ts';
 import { createLogger } from '../src/logger.ts';

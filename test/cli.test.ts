@@ -1,4 +1,4 @@
-// The gateway command line (CONTRACT.md section 7), run as real processes against a database.
+// The gateway command line (docs/cli.md), run as real processes against a database.
 import { createHash, randomBytes } from 'node:crypto';
 import pg from 'pg';
 import t from 'tap';

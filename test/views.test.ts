@@ -1,5 +1,5 @@
 // The psql views (request_counts, waiting_requests, recent_errors, attempt_history) answer
-// correctly against a populated database, and every query of the README's "Inspecting with psql" section runs as written.
+// correctly against a populated database, and every query of docs/operations.md's "Inspecting with psql" section runs as written.
 import { readFile } from 'node:fs/promises';
 import t from 'tap';
 import { newRequestId, requestIdFloor } from '../src/ids.ts';
@@ -69,12 +69,15 @@ t.test('the views', async (t) => {
   ]);
 });
 
-t.test("every query of the README's psql section runs as written", async (t) => {
+t.test("every query of docs/operations.md's psql section runs as written", async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
   await plantRequest(gateway, key, { status: 'completed', attempts: [{ outcome: 'succeeded' }] });
-  const readme = await readFile(new URL('../README.md', import.meta.url), 'utf8');
-  const section = readme.slice(readme.indexOf('### Inspecting with psql'), readme.indexOf('\n## ', readme.indexOf('### Inspecting with psql')));
+  const operations = await readFile(new URL('../docs/operations.md', import.meta.url), 'utf8');
+  const start = operations.indexOf('\n## Inspecting with psql\n');
+  t.ok(start >= 0, 'the section is there');
+  const end = operations.indexOf('\n## ', start + 1);
+  const section = operations.slice(start, end === -1 ? undefined : end);
   const blocks = [...section.matchAll(/```sql\n([\s\S]*?)```/g)].map((match) => match[1]!);
   const statements = blocks.flatMap((block) =>
     block

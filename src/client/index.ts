@@ -1,4 +1,4 @@
-// chat-gateway/client: the zero-dependency client of the gateway (CONTRACT.md sections 8, 12 and 13).
+// chat-gateway/client: the zero-dependency client of the gateway (README.md beside it; docs/api.md).
 //
 //   const client = new Gateway({ apiKey, signingSecret, baseURL });
 //   const res = await client.chat.completions.create({ model, messages, wait: true });

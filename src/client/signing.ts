@@ -1,4 +1,4 @@
-// Request signing (CONTRACT.md section 5), with Web Crypto only so the library needs no
+// Request signing (docs/signing.md), with Web Crypto only so the library needs no
 // dependency and runs wherever fetch does:
 //
 //   Svc-Signature: t=<unix seconds>,n=<nonce>,v1=<hex HMAC-SHA256 of the six lines below>

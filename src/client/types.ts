@@ -1,4 +1,4 @@
-// The shapes the gateway accepts and answers (CONTRACT.md sections 1 to 3, 12 and 13, SPEC.md 2 and 4.1).
+// The shapes the gateway accepts and answers (docs/api.md, docs/errors.md and docs/webhooks.md).
 
 export type ChatRole = 'system' | 'developer' | 'user' | 'assistant';
 
@@ -79,7 +79,10 @@ export interface ChatCompletionAsync {
 /** What create() resolves to: tell the two apart by `object`. */
 export type ChatCompletionCreateResult = ChatCompletion | ChatCompletionAsync;
 
-/** Why the most recent failed attempt failed, or why the request failed without one (CONTRACT.md sections 1 and 14). */
+/**
+ * Why the most recent failed attempt failed, or why the request failed without one (docs/errors.md,
+ * "Attempt error codes").
+ */
 export type AttemptErrorCode =
   | 'upstream_timeout'
   | 'upstream_connection_error'
@@ -149,10 +152,10 @@ export interface RequestCancelledEvent extends WebhookEventFields {
   data: CancelledRequestRecord;
 }
 
-/** The body of a webhook delivery (CONTRACT.md section 13): tell the events apart by `type`. */
+/** The body of a webhook delivery (docs/webhooks.md, "What is sent"): tell the events apart by `type`. */
 export type WebhookEvent = RequestCompletedEvent | RequestFailedEvent | RequestCancelledEvent;
 
-/** The error body of every failure (CONTRACT.md section 6). */
+/** The error body of every failure (docs/errors.md, "The error object"). */
 export interface ErrorObject {
   message: string;
   type: string;

@@ -1,5 +1,5 @@
-// Webhook signatures as the Standard Webhooks specification defines them (CONTRACT.md section 13),
-// with Web Crypto only. The server signs its deliveries with signWebhook and the client's
+// Webhook signatures as the Standard Webhooks specification defines them (docs/webhooks.md, "What
+// is sent"), with Web Crypto only. The server signs its deliveries with signWebhook and the client's
 // webhooks.unwrap checks them with it, so the two cannot drift apart:
 //
 //   webhook-id: <delivery id, the same on every retry>

@@ -1,4 +1,4 @@
-// Request signatures (CONTRACT.md section 5):
+// Request signatures (docs/signing.md):
 //   Svc-Signature: t=<unix seconds>,n=<nonce>,v1=<hex HMAC-SHA256>
 // over the six lines "v1", t, n, METHOD, path and query, SHA-256 hex of the body bytes, keyed
 // with the signing secret's UTF-8 bytes.

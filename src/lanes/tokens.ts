@@ -1,5 +1,5 @@
 // The prompt tokens a request will use, estimated from its body before the call, for lanes with
-// a tokens_per_minute limit (CONTRACT.md section 9); the answer's usage corrects the estimate.
+// a tokens_per_minute limit (docs/lanes.md, "Lanes"); the answer's usage corrects the estimate.
 import { createRequire } from 'node:module';
 import type * as O200kBase from 'gpt-tokenizer/encoding/o200k_base';
 

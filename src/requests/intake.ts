@@ -1,6 +1,6 @@
-// Intake limits (CONTRACT.md section 10): RATE_LIMIT_RPS per API key (lookups apart, with their
-// own limit) and MAX_UNFINISHED_PER_PROJECT. Beyond either, a 429 with retry-after, and nothing
-// stored.
+// Intake limits (docs/lanes.md, "Intake limits"): RATE_LIMIT_RPS per API key (lookups apart,
+// with their own limit) and MAX_UNFINISHED_PER_PROJECT. Beyond either, a 429 with retry-after,
+// and nothing stored.
 import { hostname } from 'node:os';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';

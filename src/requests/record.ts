@@ -1,4 +1,4 @@
-// The request record of CONTRACT.md section 3, as JSON text: what a lookup, a cancel and a
+// The request record (docs/api.md, "The request record"), as JSON text: what a lookup, a cancel and a
 // webhook's data carry. The result is stored JSON text, spliced in as it is (only when
 // completed), not parsed and written out again.
 import type { Selectable } from 'kysely';

@@ -1,5 +1,5 @@
-// The body of POST /v1/chat/completions (CONTRACT.md section 2), and how a body that breaks
-// it is explained: one ApiError naming the first parameter at fault.
+// The body of POST /v1/chat/completions (docs/api.md, "Submitting a request"), and how a body
+// that breaks it is explained: one ApiError naming the first parameter at fault.
 import { hash } from 'node:crypto';
 import * as v from 'valibot';
 import { ApiError, invalidRequest } from '../errors.ts';

@@ -1,5 +1,5 @@
 // Test mode: a built-in stand-in for the upstream, so integrations can be tested for free.
-// The model name chooses the behaviour (CONTRACT.md section 4):
+// The model name chooses the behaviour (docs/api.md, "Test mode"):
 //   test-delay-<ms>     completes after that many milliseconds
 //   test-fail-<n>       the first n attempts fail with upstream_server_error, then it completes
 //   test-error-<status> every attempt fails as if the upstream answered that HTTP status

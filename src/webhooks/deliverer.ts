@@ -1,4 +1,4 @@
-// Delivering webhook messages (CONTRACT.md section 13), one try at a time. A deliver_webhook job
+// Delivering webhook messages (docs/webhooks.md), one try at a time. A deliver_webhook job
 // claims its message in one statement and starts the try here, then ends: a try in flight holds
 // a socket and a timer, not a graphile-worker slot nor a database connection, as upstream calls
 // do (worker/dispatcher.ts). The try POSTs the event, signed as Standard Webhooks says, and its

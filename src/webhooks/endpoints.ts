@@ -1,5 +1,5 @@
-// Webhook endpoints: where a project's requests are reported when they end (CONTRACT.md section
-// 13). Adding one shows its signing secret once; it is then kept only encrypted with
+// Webhook endpoints: where a project's requests are reported when they end (docs/webhooks.md,
+// "Adding an endpoint"). Adding one shows its signing secret once; it is then kept only encrypted with
 // SECRET_ENCRYPTION_KEY, bound to the endpoint's id, as keys' signing secrets are. Rotating it
 // keeps the old secret signing beside the new one for a day, so receivers can switch over.
 import { randomBytes } from 'node:crypto';

@@ -90,7 +90,7 @@ export interface CheckedSignature {
   valid: boolean;
 }
 
-/** Parses Svc-Signature and recomputes its HMAC with node:crypto (CONTRACT.md section 5). */
+/** Parses Svc-Signature and recomputes its HMAC with node:crypto (docs/signing.md). */
 export function checkSignature(
   header: string | null,
   request: { secret: string; method: string; path: string; body: string | Uint8Array },

@@ -1,4 +1,4 @@
-// Signing requests the way CONTRACT.md section 5 describes, written out independently of the
+// Signing requests the way docs/signing.md describes, written out independently of the
 // server's verifier so that each checks the other.
 import { createHash, createHmac, randomBytes } from 'node:crypto';
 

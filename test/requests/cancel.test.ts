@@ -1,7 +1,8 @@
-// POST /v1/requests/{id}/cancel (CONTRACT.md section 12), in each state: a queued or retrying
-// request is cancelled at once and never attempted again; a processing one has its upstream call
-// aborted by the worker process that holds it, and its attempt recorded as cancelled; a waiting
-// wait=true client is answered at once; a finished request is a 409, another's a 404.
+// POST /v1/requests/{id}/cancel (docs/api.md, "Cancelling a request"), in each state: a queued
+// or retrying request is cancelled at once and never attempted again; a processing one has its
+// upstream call aborted by the worker process that holds it, and its attempt recorded as
+// cancelled; a waiting wait=true client is answered at once; a finished request is a 409,
+// another's a 404.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';

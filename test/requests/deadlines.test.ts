@@ -1,4 +1,4 @@
-// Request deadlines (CONTRACT.md section 14): every request has one, its key's or
+// Request deadlines (docs/lanes.md, "Deadlines"): every request has one, its key's or
 // REQUEST_DEADLINE, counted from its acceptance. A request not finished by then fails with
 // deadline_exceeded within a few seconds, wherever it is: running (its call aborted), or waiting
 // in a lane that cannot run it; its waiters are answered and its webhook event sent.

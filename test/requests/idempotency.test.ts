@@ -1,4 +1,4 @@
-// Idempotency keys (CONTRACT.md section 2): the same key and body is the same request, a
+// Idempotency keys (docs/api.md, "Idempotency"): the same key and body is the same request, a
 // different body is a 422 that stores nothing, and concurrent first uses make one request.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';

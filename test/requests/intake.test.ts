@@ -1,5 +1,5 @@
-// Intake limits (CONTRACT.md section 10): RATE_LIMIT_RPS per key with its burst, held across API
-// processes through gateway.intake_counters; lookups in a bucket of their own;
+// Intake limits (docs/lanes.md, "Intake limits"): RATE_LIMIT_RPS per key with its burst, held
+// across API processes through gateway.intake_counters; lookups in a bucket of their own;
 // MAX_UNFINISHED_PER_PROJECT per project and mode; and decisions that go on when the database
 // cannot be reached.
 import { createHash, randomBytes } from 'node:crypto';

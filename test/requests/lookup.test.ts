@@ -1,5 +1,6 @@
-// GET /v1/requests/{id} (CONTRACT.md section 3): the record's exact fields, and 404 for
-// anything the caller may not see, whether unknown, malformed, or another project's or mode's.
+// GET /v1/requests/{id} (docs/api.md, "Looking up a request"): the record's exact fields, and
+// 404 for anything the caller may not see, whether unknown, malformed, or another project's or
+// mode's.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';

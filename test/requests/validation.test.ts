@@ -1,5 +1,6 @@
-// Every rule of the POST body (CONTRACT.md section 2) and how breaking it is answered:
-// 400/413/415 in the contract's error shape, with the code and param at fault, nothing stored.
+// Every rule of the POST body (docs/api.md, "Submitting a request") and how breaking it is
+// answered: 400/413/415 in the error shape of docs/errors.md, with the code and param at fault,
+// nothing stored.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send } from '../helpers/http.ts';

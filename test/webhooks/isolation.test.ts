@@ -1,9 +1,9 @@
-// One project's webhook endpoint cannot degrade another's deliveries (CONTRACT.md v3): an
-// endpoint that accepts connections and never answers, fed 500 events, holds at most
-// WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT tries of the worker, backs off once its tries time out, and
-// its waiting events cost a bounded number of graphile-worker jobs, not one per event per second;
-// meanwhile another project's healthy endpoint gets its events at once. Through the whole
-// gateway: requests accepted by the API and run by the worker in test mode.
+// One project's webhook endpoint cannot degrade another's deliveries (docs/webhooks.md, "A slow
+// endpoint does not hold up the others"): an endpoint that accepts connections and never answers,
+// fed 500 events, holds at most WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT tries of the worker, backs off
+// once its tries time out, and its waiting events cost a bounded number of graphile-worker jobs,
+// not one per event per second; meanwhile another project's healthy endpoint gets its events at
+// once. Through the whole gateway: requests accepted by the API and run by the worker in test mode.
 import t from 'tap';
 import { inBatches } from '../helpers/concurrency.ts';
 import { startTestGateway } from '../helpers/gateway.ts';

@@ -1,7 +1,7 @@
-// The lifecycle of CONTRACT.md section 1, observed state by state: queued -> processing ->
-// retrying -> processing -> completed, processing -> failed; a lost attempt is recorded as
-// worker_lost and retried; a terminal request is never run again; concurrent dispatches of a
-// queue start each request once.
+// The lifecycle of docs/api.md ("Statuses and lifecycle"), observed state by state: queued ->
+// processing -> retrying -> processing -> completed, processing -> failed; a lost attempt is
+// recorded as worker_lost and retried; a terminal request is never run again; concurrent
+// dispatches of a queue start each request once.
 import t, { type Test } from 'tap';
 import type { Db } from '../../src/db/pool.ts';
 import { LANE_HEALTH } from '../../src/lanes/health.ts';

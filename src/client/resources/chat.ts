@@ -1,4 +1,4 @@
-// client.chat.completions: POST /v1/chat/completions (CONTRACT.md section 2).
+// client.chat.completions: POST /v1/chat/completions (docs/api.md, "Submitting a request").
 import type { RequestFunction, RequestOptions } from '../request.ts';
 import type { ChatCompletionCreateParams, ChatCompletionCreateResult } from '../types.ts';
 

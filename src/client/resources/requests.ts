@@ -1,5 +1,5 @@
-// client.requests: GET /v1/requests/{id} (CONTRACT.md section 3), polling it to the end, and
-// POST /v1/requests/{id}/cancel (section 12).
+// client.requests: GET /v1/requests/{id} (docs/api.md, "Looking up a request"), polling it to
+// the end, and POST /v1/requests/{id}/cancel ("Cancelling a request").
 import type { RequestFunction, RequestOptions } from '../request.ts';
 import { sleep } from '../retry.ts';
 import type { CancelledRequestRecord, RequestRecord, TerminalRequestRecord } from '../types.ts';

@@ -1,4 +1,4 @@
-// client.webhooks: checking and reading the gateway's webhook deliveries (CONTRACT.md section 13).
+// client.webhooks: checking and reading the gateway's webhook deliveries (docs/webhooks.md).
 // Nothing here calls the API, so a receiver that holds only the endpoint's secret can use
 // `new Webhooks()` without a client.
 import { WebhookVerificationError } from '../errors.ts';

@@ -1,4 +1,4 @@
-// POST /v1/chat/completions (CONTRACT.md section 2).
+// POST /v1/chat/completions (docs/api.md, "Submitting a request").
 import type { Middleware } from 'koa';
 import { parseSubmission } from '../../requests/schemas.ts';
 import { submit, type RequestDeps, type SubmitOutcome } from '../../requests/service.ts';

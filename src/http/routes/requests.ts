@@ -1,5 +1,5 @@
-// GET /v1/requests/{id} (CONTRACT.md section 3) and POST /v1/requests/{id}/cancel (section 12):
-// both answer the request record.
+// GET /v1/requests/{id} and POST /v1/requests/{id}/cancel (docs/api.md, "Looking up a request"
+// and "Cancelling a request"): both answer the request record.
 import type { RouterMiddleware } from '@koa/router';
 import { recordJson } from '../../requests/record.ts';
 import { cancel, lookup, type RequestDeps } from '../../requests/service.ts';

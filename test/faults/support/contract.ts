@@ -1,4 +1,4 @@
-// The error model of CONTRACT.md section 6, written out for checking answers: which HTTP
+// The error model of docs/errors.md, written out for checking answers: which HTTP
 // status goes with which type and codes, and what an error body looks like.
 
 export const ERRORS_BY_STATUS: Record<number, { type: string; codes: string[] }> = {

@@ -81,7 +81,7 @@ export async function waitUntilTerminal(
   }
 }
 
-/** Problems of a terminal request's attempt rows with the lifecycle rules of CONTRACT.md section 1. */
+/** Problems of a terminal request's attempt rows with the lifecycle rules of docs/api.md ("Statuses and lifecycle"). */
 export function lifecycleProblems(request: RequestWithAttempts, maxAttempts: number): string[] {
   const problems: string[] = [];
   const attempts = request.attempt_rows;
