@@ -21,9 +21,19 @@ comment on table gateway.lanes is
   'One row per upstream and model: a deployment of a queue''s model (test mode: one lane, the simulator), with its limits, '
   'allowances, pause and health; the queue''s requests start on it, projects taking turns. Deleted with its queue.';
 
--- Deleting a queue or a lane checks that no request refers to it (on delete restrict): an index
--- probe each, instead of a scan of the requests. Built here, they hold writes to the requests for
--- as long as the build takes; on a large table, build them beforehand with `create index
--- concurrently` under these names, and this finds them.
+-- Deleting a queue checks that no request refers to it (requests.queue_id: on delete restrict):
+-- an index probe, instead of a scan of the requests. Built here, it holds writes to the requests
+-- for as long as the build takes; on a large table, build it beforehand with `create index
+-- concurrently` under this name, and this finds it.
 create index if not exists requests_queue on gateway.requests (queue_id);
-create index if not exists requests_lane on gateway.requests (lane_id);
+
+-- A request's lane is one of its queue's (the claim sets it), so the queue's foreign key keeps
+-- the lane too: requests.lane_id needs no foreign key of its own, and setting it at each claim
+-- costs no check. Only requests finished before queues existed name a lane and no queue; the
+-- pruning looks for those through this index, which no later request enters.
+alter table gateway.requests drop constraint requests_lane_id_fkey;
+create index if not exists requests_lane_before_queues on gateway.requests (lane_id) where queue_id is null;
+comment on column gateway.requests.lane_id is
+  'The lane (upstream and model) of the request''s latest attempt, one of its queue''s lanes; the lane that completed it, '
+  'once completed. Kept by the queue''s foreign key (queue_id): a queue and its lanes are deleted only when no request '
+  'refers to the queue.';

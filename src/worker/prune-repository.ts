@@ -12,12 +12,12 @@ export interface PrunedQueue {
 }
 
 // A queue no request refers to: neither through requests.queue_id nor through one of its lanes
-// (a request finished before queues existed names only its lane).
+// (a request finished before queues existed names only its lane: requests_lane_before_queues).
 const unreferenced = sql`
   not exists (select from gateway.requests where requests.queue_id = queues.id)
   and not exists (
     select from gateway.lanes
-    join gateway.requests on requests.lane_id = lanes.id
+    join gateway.requests on requests.lane_id = lanes.id and requests.queue_id is null
     where lanes.queue_id = queues.id
   )
 `;
@@ -31,7 +31,7 @@ const unreferenced = sql`
  * In two statements: the first locks the queues, the second, seeing everything committed before
  * the locks, deletes those that are still unreferenced. A request inserted into one of them
  * after that waits for the delete and then fails, storing nothing, and is routed again
- * (requests/service.ts); so neither statement can meet the requests' foreign keys.
+ * (requests/service.ts); so neither statement can meet the requests' foreign key.
  */
 export async function pruneIdleQueues(db: Db, idleMs: number, limit: number): Promise<PrunedQueue[]> {
   return db.transaction().execute(async (tx) => {
