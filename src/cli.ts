@@ -55,7 +55,7 @@ const USAGE = `Usage: gateway <command>
                                GATEWAY_API_KEY and GATEWAY_SIGNING_SECRET (GATEWAY_BASE_URL:
                                http://localhost:8080); --verbose shows what is signed
 
-Settings are environment variables; see README.md.`;
+Settings are environment variables; see docs/settings.md.`;
 
 async function main(argv: string[]): Promise<void> {
   const [command, ...rest] = argv;

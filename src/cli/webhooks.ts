@@ -29,7 +29,7 @@ async function addWebhookCommand(
     `  Secret:  ${created.secret}`,
     '',
     'The secret is shown this once and cannot be recovered: store it now. Receivers verify each',
-    'delivery with it (Standard Webhooks; see "Webhooks" in the README).',
+    'delivery with it (Standard Webhooks; see docs/webhooks.md).',
   ].join('\n');
 }
 
