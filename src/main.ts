@@ -9,7 +9,7 @@ import type http from 'node:http';
 import type pg from 'pg';
 import { shareMetricsWithPrimary, startCluster } from './cluster.ts';
 import { ConfigError, type Config } from './config.ts';
-import { migrate, schemaVersion } from './db/migrate.ts';
+import { assertMigrationsUnchanged, migrate, schemaVersion } from './db/migrate.ts';
 import { createDb, createPool, type Db } from './db/pool.ts';
 import { createApp, createMetricsApp, createOpsApp } from './http/app.ts';
 import { closeServer, listen, urlOf } from './http/server.ts';
@@ -372,6 +372,7 @@ const noEncryptionKey = () =>
   new ConfigError('SECRET_ENCRYPTION_KEY is not set: the API needs it to decrypt signing secrets and verify request signatures.');
 
 async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
+  await assertMigrationsUnchanged(pool);
   const { applied, expected } = await schemaVersion(pool);
   if (applied !== expected) {
     throw new Error(

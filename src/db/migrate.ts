@@ -1,6 +1,13 @@
 // Applies the numbered, forward-only migrations in sql/ (each in its own transaction), then
 // graphile-worker's own. Several processes may migrate at once: an advisory lock lets one
 // work while the others wait, and then find nothing left to do.
+//
+// A released migration is never edited: a database that ran it would keep the old text and
+// nothing would say so. So each applied file's SHA-256 is recorded, and a file that no longer
+// matches what a database ran stops `gateway migrate` and every gateway process at start,
+// naming the file. (Migrations applied before hashes were recorded get the file's hash as it is
+// when first seen.)
+import { createHash } from 'node:crypto';
 import { readdir, readFile } from 'node:fs/promises';
 import { runMigrations } from 'graphile-worker';
 import type pg from 'pg';
@@ -16,11 +23,18 @@ const MIGRATION_LOCK = 7_242_318_001;
 export interface Migration {
   id: number;
   file: string;
+  text: string;
+  sha256: Buffer;
 }
 
-export async function listMigrations(): Promise<Migration[]> {
-  const files = await readdir(SQL_DIR);
-  return files
+/** Where the migrations are read from: sql/ of this checkout (a test points it at a copy). */
+export interface MigrationSource {
+  sqlDir?: URL | undefined;
+}
+
+/** The migration files of the directory, in order, unread. */
+async function migrationFiles(sqlDir: URL): Promise<{ id: number; file: string }[]> {
+  return (await readdir(sqlDir))
     .flatMap((file) => {
       const match = MIGRATION_FILE.exec(file);
       return match ? [{ id: Number(match[1]), file }] : [];
@@ -28,8 +42,40 @@ export async function listMigrations(): Promise<Migration[]> {
     .sort((a, b) => a.id - b.id);
 }
 
-export async function migrate(pool: pg.Pool, logger: Logger): Promise<void> {
-  const migrations = await listMigrations();
+export async function listMigrations(source: MigrationSource = {}): Promise<Migration[]> {
+  const sqlDir = source.sqlDir ?? SQL_DIR;
+  return Promise.all(
+    (await migrationFiles(sqlDir)).map(async ({ id, file }) => {
+      const text = await readFile(new URL(file, sqlDir), 'utf8');
+      return { id, file, text, sha256: createHash('sha256').update(text).digest() };
+    }),
+  );
+}
+
+/** A released migration was edited after a database ran it. */
+export class MigrationChangedError extends Error {
+  readonly file: string;
+
+  constructor(file: string) {
+    super(
+      `sql/${file} is not the file this database applied: it was edited after it was released. ` +
+        `Restore it as it was (git log -- sql/${file}), and make the change a new migration.`,
+    );
+    this.name = 'MigrationChangedError';
+    this.file = file;
+  }
+}
+
+/** The first applied migration whose file differs from what was applied (hashes as recorded). */
+function changedMigration(migrations: readonly Migration[], applied: ReadonlyMap<number, Buffer | null>): Migration | undefined {
+  return migrations.find((migration) => {
+    const recorded = applied.get(migration.id);
+    return recorded != null && !recorded.equals(migration.sha256);
+  });
+}
+
+export async function migrate(pool: pg.Pool, logger: Logger, source: MigrationSource = {}): Promise<void> {
+  const migrations = await listMigrations(source);
   const client = await pool.connect();
   try {
     await client.query('select pg_advisory_lock($1)', [MIGRATION_LOCK]);
@@ -41,13 +87,25 @@ export async function migrate(pool: pg.Pool, logger: Logger): Promise<void> {
            applied_at timestamptz not null default now()
          )`,
       );
+      await client.query(`alter table ${SCHEMA}.migrations add column if not exists sha256 bytea`);
       await client.query(
         `comment on table ${SCHEMA}.migrations is 'Which files of sql/ have been applied, and when.'`,
       );
-      const applied = new Set(
-        (await client.query<{ id: number }>(`select id from ${SCHEMA}.migrations`)).rows.map((row) => row.id),
+      await client.query(
+        `comment on column ${SCHEMA}.migrations.sha256 is 'SHA-256 of the file as applied (or as first seen, for files applied before hashes were recorded).'`,
       );
-      const newest = Math.max(0, ...applied);
+      const applied = new Map(
+        (await client.query<{ id: number; sha256: Buffer | null }>(`select id, sha256 from ${SCHEMA}.migrations`)).rows.map(
+          (row) => [row.id, row.sha256],
+        ),
+      );
+      const changed = changedMigration(migrations, applied);
+      if (changed) throw new MigrationChangedError(changed.file);
+      for (const migration of migrations) {
+        if (applied.get(migration.id) !== null) continue;
+        await client.query(`update ${SCHEMA}.migrations set sha256 = $2 where id = $1 and sha256 is null`, [migration.id, migration.sha256]);
+      }
+      const newest = Math.max(0, ...applied.keys());
       const known = migrations.at(-1)?.id ?? 0;
       if (newest > known) {
         throw new Error(
@@ -56,11 +114,10 @@ export async function migrate(pool: pg.Pool, logger: Logger): Promise<void> {
       }
       for (const migration of migrations) {
         if (applied.has(migration.id)) continue;
-        const text = await readFile(new URL(migration.file, SQL_DIR), 'utf8');
         await client.query('begin');
         try {
-          await client.query(text);
-          await client.query(`insert into ${SCHEMA}.migrations (id) values ($1)`, [migration.id]);
+          await client.query(migration.text);
+          await client.query(`insert into ${SCHEMA}.migrations (id, sha256) values ($1, $2)`, [migration.id, migration.sha256]);
           await client.query('commit');
         } catch (error) {
           await client.query('rollback');
@@ -109,9 +166,23 @@ async function tuneAddJobsPlans(client: pg.PoolClient): Promise<void> {
   }
 }
 
+/**
+ * Throws MigrationChangedError when a file of sql/ differs from what the database applied. For a
+ * process's start: the same check that `gateway migrate` makes first.
+ */
+export async function assertMigrationsUnchanged(pool: pg.Pool, source: MigrationSource = {}): Promise<void> {
+  const { rows: columns } = await pool.query(
+    `select from information_schema.columns where table_schema = '${SCHEMA}' and table_name = 'migrations' and column_name = 'sha256'`,
+  );
+  if (columns.length === 0) return;
+  const { rows } = await pool.query<{ id: number; sha256: Buffer | null }>(`select id, sha256 from ${SCHEMA}.migrations`);
+  const changed = changedMigration(await listMigrations(source), new Map(rows.map((row) => [row.id, row.sha256])));
+  if (changed) throw new MigrationChangedError(changed.file);
+}
+
 /** The newest applied migration and the newest this code knows; equal when the schema is current. */
 export async function schemaVersion(pool: pg.Pool): Promise<{ applied: number; expected: number }> {
-  const expected = (await listMigrations()).at(-1)?.id ?? 0;
+  const expected = (await migrationFiles(SQL_DIR)).at(-1)?.id ?? 0;
   const exists = await pool.query(`select to_regclass('${SCHEMA}.migrations') is not null as exists`);
   if (!exists.rows[0]?.exists) return { applied: 0, expected };
   const { rows } = await pool.query<{ applied: number | null }>(`select max(id) as applied from ${SCHEMA}.migrations`);
