@@ -49,28 +49,28 @@ comment on column gateway.lane_fair_shares.started_at is
 -- (probe: it is its lane's probe), then one summary row (request_id null): whether requests that
 -- are due are still waiting, and when a lane has room again if only time makes it (null: a lane
 -- has room now, or only finishing calls make room).
+-- A lane is paced at `pace` of its per-minute limits and starts at most `burst_seconds` of them
+-- at once (the worker passes both: lanes/repository.ts says why its values, and tuning them
+-- needs no migration).
 -- PL/pgSQL so that it is one round trip whose statements each see what committed before them:
 -- each lane row is locked before its calls in flight are counted and its turn is taken.
-create or replace function gateway.claim_queue(
+drop function gateway.claim_queue(bigint, integer, text, bigint[], integer[], integer[], integer[]);
+create function gateway.claim_queue(
   claim_queue_id bigint,
   max_requests integer,
   claim_worker_id text,
   lane_ids bigint[],
   limits_max_concurrent integer[],
   limits_requests_per_minute integer[],
-  limits_tokens_per_minute integer[]
+  limits_tokens_per_minute integer[],
+  pace double precision,
+  burst_seconds double precision
 ) returns table (
   request_id text, attempt integer, charged integer, body text, lane_id bigint, probe boolean, waiting boolean, room_at timestamptz
 )
   language plpgsql volatile
   as $$
 declare
-  -- A call reaches the upstream a moment after it is admitted, and not always in the order
-  -- admitted, so a lane paced exactly at its limits would meet a 429 now and then. It is paced
-  -- at 95 % of them, and starts at most 0.9 s worth of its requests_per_minute at once: a call
-  -- may then arrive about 100 ms late against the one after it and still find room.
-  pace constant double precision := 0.95;
-  burst_seconds constant double precision := 0.9;
   lane gateway.lanes;
   lane_index integer;
   now_at timestamptz;
@@ -412,8 +412,8 @@ begin
   return next;
 end;
 $$;
-comment on function gateway.claim_queue(bigint, integer, text, bigint[], integer[], integer[], integer[]) is
+comment on function gateway.claim_queue(bigint, integer, text, bigint[], integer[], integer[], integer[], double precision, double precision) is
   'Starts up to max_requests attempts of a queue on its deployments'' lanes, in the order given, each within its health and '
-  'limits (given by the worker from its configuration, and kept in the lane rows), in its projects'' turns (on a lane with '
+  'limits (given by the worker from its configuration, with the pace and burst it runs them at, and kept in the lane rows), in its projects'' turns (on a lane with '
   'tokens_per_minute, in their shares of its tokens); returns them, then a row (request_id null) saying whether requests '
   'are still waiting and when a lane has room again.';
