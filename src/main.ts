@@ -25,7 +25,7 @@ import { countUnfinishedByStatus } from './requests/inspection.ts';
 import { createRequestReads } from './requests/reads.ts';
 import { FINISHED_CHANNEL, Waiters } from './requests/waiters.ts';
 import { QueueRouter } from './lanes/routing.ts';
-import { intakeLimitsFor } from './requests/intake.ts';
+import { intakeLimitsFor, NO_INTAKE_LIMITS } from './requests/intake.ts';
 import { stopOnSignals } from './signals.ts';
 import { createAttempts } from './worker/attempts.ts';
 import { Dispatcher } from './worker/dispatcher.ts';
@@ -153,7 +153,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         metrics,
         logger,
         queues,
-        intake,
+        intake: intake ?? NO_INTAKE_LIMITS,
         ...(dispatcher ? { onStored: (queueId: string) => dispatcher.poke(queueId) } : {}),
       });
       shutdown.server = await listen(app.callback(), config.port, config.host);

@@ -30,8 +30,8 @@ export interface RequestDeps {
   metrics: Metrics;
   config: Pick<Config, 'waitTimeoutMs' | 'requestDeadlineMs'>;
   queues: QueueRouter;
-  /** RATE_LIMIT_RPS and MAX_UNFINISHED_PER_PROJECT; undefined: no intake limits. */
-  intake?: Intake | undefined;
+  /** RATE_LIMIT_RPS and MAX_UNFINISHED_PER_PROJECT (NO_INTAKE_LIMITS when none is set). */
+  intake: Intake;
   /**
    * Told the queue of each request just stored: a process that also runs a worker dispatches it
    * at once, rather than when its queued dispatch job is fetched.
@@ -73,7 +73,7 @@ export async function submit(
   options: SubmitOptions = {},
 ): Promise<SubmitOutcome | Waiting> {
   // The intake limits first: a refused request stores nothing, not even its model's queue.
-  deps.intake?.admitSubmission(auth);
+  deps.intake.admitSubmission(auth);
   const routed = await deps.queues.route(auth.mode, submission);
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
@@ -224,7 +224,7 @@ function outcomeOf(answer: Answer, replayed: boolean, wait: boolean): SubmitOutc
 
 /** The caller's request with that id; 404 for an unknown id or one of another project or mode. */
 export async function lookup(deps: Pick<RequestDeps, 'reads' | 'intake'>, auth: Auth, id: string): Promise<RequestRow> {
-  deps.intake?.admitLookup(auth);
+  deps.intake.admitLookup(auth);
   if (!REQUEST_ID.test(id)) throw requestNotFound();
   const row = await deps.reads.submit(id);
   if (row === undefined || row.project_id !== auth.projectId || row.mode !== auth.mode) throw requestNotFound();
@@ -242,7 +242,7 @@ export async function cancel(
   id: string,
   options: SubmitOptions = {},
 ): Promise<RecordRow> {
-  deps.intake?.admitLookup(auth);
+  deps.intake.admitLookup(auth);
   if (!REQUEST_ID.test(id)) throw requestNotFound();
   // A POST: its nonce is accepted once, as a submission's is, and stored only with a cancel that
   // is answered 200: a refused one (404, 409) rolls it back. The same nonce sent twice at once

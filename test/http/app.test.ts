@@ -11,6 +11,7 @@ import { createDb, createPool } from '../../src/db/pool.ts';
 import { createApp } from '../../src/http/app.ts';
 import { KeyCache } from '../../src/keys/cache.ts';
 import { KeyReads } from '../../src/keys/reads.ts';
+import { NO_INTAKE_LIMITS } from '../../src/requests/intake.ts';
 import { QueueRouter } from '../../src/lanes/routing.ts';
 import { createLogger } from '../../src/logger.ts';
 import { Metrics } from '../../src/metrics.ts';
@@ -78,6 +79,7 @@ t.test('the app answers health, unknown routes and unauthenticated calls without
     keys: new KeyCache(listener),
     keyReads: new KeyReads(),
     queues: new QueueRouter(db, config),
+    intake: NO_INTAKE_LIMITS,
     metrics,
     logger,
   });
