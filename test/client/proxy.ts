@@ -4,6 +4,7 @@
 import http from 'node:http';
 import { listenOnLoopback } from '../helpers/ports.ts';
 import { checkSignature, type CheckedSignature } from './support.ts';
+import type { Teardown } from '../helpers/teardown.ts';
 
 export type ProxyStep = 'unavailable' | 'forward-then-drop' | 'forward';
 
@@ -16,10 +17,6 @@ export interface ProxiedCall {
   step: ProxyStep;
   /** The gateway's answer, for forwarded calls. */
   answer?: { status: number; headers: Headers; body: string };
-}
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
 }
 
 /** Starts the proxy; the nth request takes `steps[n]`, and requests past the end are forwarded. */

@@ -2,10 +2,7 @@
 // (scripts/test.ts), dropped again when the test ends.
 import { randomBytes } from 'node:crypto';
 import pg from 'pg';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from './teardown.ts';
 
 export function urlForDatabase(url: string, database: string): string {
   const parsed = new URL(url);

@@ -12,10 +12,7 @@ import { startGateway, type Role } from '../../src/main.ts';
 import type { KeyCache } from '../../src/keys/cache.ts';
 import type { Waiters } from '../../src/requests/waiters.ts';
 import { createTestDatabase } from './database.ts';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from './teardown.ts';
 
 export interface TestGateway {
   /** Base URL of the API (undefined for role "worker"). */

@@ -6,6 +6,7 @@
 import http from 'node:http';
 import { listenOnLoopback } from './ports.ts';
 import { completionFor } from './upstream.ts';
+import type { Teardown } from './teardown.ts';
 
 export interface Limits {
   requestsPerMinute?: number;
@@ -29,10 +30,6 @@ export interface LimitedUpstream {
   peakInFlight(): number;
   /** The next call is answered 429 with this retry-after (seconds), whatever the limits say. */
   refuseNext(retryAfterSeconds: number): void;
-}
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
 }
 
 export async function startLimitedUpstream(

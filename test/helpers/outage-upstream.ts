@@ -8,6 +8,7 @@
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { completionFor } from './upstream.ts';
+import type { Teardown } from './teardown.ts';
 
 export type OutageMode =
   | { kind: 'healthy' }
@@ -40,10 +41,6 @@ export interface OutageUpstream {
   set(mode: OutageMode): Promise<void>;
   /** Calls under way now (arrived, not yet ended). */
   inFlight(): number;
-}
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
 }
 
 export interface OutageUpstreamOptions {

@@ -1,10 +1,7 @@
+import type { Teardown } from './teardown.ts';
 // Ports for a test's servers: freePort (shared with the benchmark, from scripts/ports.ts), and
 // listenOnLoopback for a server the test starts itself.
 export { freePort } from '../../scripts/ports.ts';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
 
 /** Starts a test's HTTP server on a loopback port, closed (connections and all) at teardown. */
 export async function listenOnLoopback(t: Teardown, server: import('node:http').Server): Promise<number> {

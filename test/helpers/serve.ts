@@ -1,10 +1,7 @@
 // `gateway serve` as a child process of the test, its output (stdout and stderr) collected.
 import { spawn, type ChildProcess } from 'node:child_process';
 import type { Config } from '../../src/config.ts';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from './teardown.ts';
 
 export interface ServeProcess {
   child: ChildProcess;

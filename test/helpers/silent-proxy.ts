@@ -6,10 +6,7 @@
 // rest working. New connections are forwarded normally, as after a real drop.
 // (tcp-proxy.ts is the other kind of fault: connections cut, new ones refused.)
 import net from 'node:net';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from './teardown.ts';
 
 interface Forwarded {
   client: net.Socket;

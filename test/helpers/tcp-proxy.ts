@@ -2,10 +2,7 @@
 // gateway sees it (connections dropped without a word, new ones closed at once), without
 // stopping the server that the other tests share.
 import net from 'node:net';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from './teardown.ts';
 
 export interface TcpProxy {
   /** `databaseUrl` with its host and port replaced by the proxy's. */

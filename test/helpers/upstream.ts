@@ -3,6 +3,7 @@
 // the headers and the start of a body and hold the rest.
 import http from 'node:http';
 import { listenOnLoopback } from './ports.ts';
+import type { Teardown } from './teardown.ts';
 
 export interface ReceivedCall {
   count: number;
@@ -20,10 +21,6 @@ export type Reply =
 export interface FakeUpstream {
   baseUrl: string;
   calls: ReceivedCall[];
-}
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
 }
 
 export async function startFakeUpstream(

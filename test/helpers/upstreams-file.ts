@@ -3,10 +3,7 @@
 import { mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from './teardown.ts';
 
 /** Writes `{ upstreams }` to a new file and returns its path. */
 export async function upstreamsFile(t: Teardown, upstreams: unknown[]): Promise<string> {

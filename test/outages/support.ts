@@ -12,10 +12,7 @@ import type { RequestWithAttempts as OutageRequest } from '../faults/support/row
 import type { CreatedKey } from '../../src/keys/service.ts';
 import { call, type Call } from '../faults/support/client.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from '../helpers/teardown.ts';
 
 export const MODEL = 'gpt-4o';
 export const MAX_ATTEMPTS = 5;

@@ -18,10 +18,7 @@ import { addEndpoint, type CreatedEndpoint } from '../../src/webhooks/endpoints.
 import type { TestGateway } from '../helpers/gateway.ts';
 import { plantRequest } from '../helpers/populate.ts';
 import { listenOnLoopback } from '../helpers/ports.ts';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from '../helpers/teardown.ts';
 
 export interface Delivery {
   /** 1-based, in the order received. */

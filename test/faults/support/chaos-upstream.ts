@@ -6,6 +6,7 @@
 // which code each attempt of each request must have ended with.
 import http from 'node:http';
 import { listenOnLoopback } from '../../helpers/ports.ts';
+import type { Teardown } from '../../helpers/teardown.ts';
 
 export const BEHAVIOURS = {
   ok: { weight: 38, code: null },
@@ -57,10 +58,6 @@ export interface ChaosUpstream {
   baseUrl: string;
   calls: ChaosCall[];
   callsFor(tag: string): ChaosCall[];
-}
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
 }
 
 export async function startChaosUpstream(

@@ -17,10 +17,7 @@ import { searchLogs } from './logs.ts';
 import { freePort } from '../../helpers/ports.ts';
 import { GatewayProcess } from './processes.ts';
 import { logFile, logFiles, markLogsClean, recordSecret, runDirectory, UPSTREAM_API_KEY } from './run.ts';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from '../../helpers/teardown.ts';
 
 /** Settings every process of the suite starts with; scenarios override what they need. */
 export const FAULT_SETTINGS: Record<string, string> = {

@@ -4,10 +4,7 @@
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { Webhook } from 'standardwebhooks';
-
-interface Teardown {
-  teardown(fn: () => Promise<void> | void): void;
-}
+import type { Teardown } from '../../helpers/teardown.ts';
 
 export interface ReceivedDelivery {
   id: string;
