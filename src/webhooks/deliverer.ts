@@ -27,6 +27,7 @@
 // the database stays unavailable, until the shutdown's grace is over: given up, its message
 // would be handed back by the sweep and delivered again.
 import { Agent, request } from 'undici';
+import { doubling, jitter } from '../client/backoff.ts';
 import { parseRetryAfter } from '../client/retry.ts';
 import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
@@ -106,7 +107,7 @@ const ABORTED_BY_TIMEOUT = 'timeout';
  * try ending in a process that has the room looks at once.)
  */
 export function wakeDelay(deferrals: number): number {
-  return Math.min(60_000, 1_000 * 2 ** Math.min(deferrals, 16));
+  return doubling(deferrals + 1, 1_000, 60_000);
 }
 
 /**
@@ -122,8 +123,7 @@ export function nextTryDelay(
 ): number | undefined {
   const wait = scheduleMs[tries - 1];
   if (wait === undefined) return undefined;
-  const jittered = wait * (0.9 + 0.2 * random());
-  return Math.round(Math.min(MAX_RETRY_WAIT_MS, Math.max(jittered, retryAfterMs ?? 0)));
+  return Math.round(Math.min(MAX_RETRY_WAIT_MS, Math.max(jitter(wait, 0.1, 0.1, random), retryAfterMs ?? 0)));
 }
 
 /** The body of a delivery: the event, when its request ended, and the request's record. */
