@@ -37,6 +37,7 @@ import { landWithin, type InFlight } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
+import { connectionFailure, findCause } from '../network-errors.ts';
 import { recordJson } from '../requests/record.ts';
 import { deliveryConnector, ForbiddenAddressError, isAllowedScheme } from './address.ts';
 import {
@@ -600,28 +601,9 @@ export class WebhookDeliverer {
     }
     const forbidden = findCause(error, (cause) => cause instanceof ForbiddenAddressError);
     if (forbidden) return { error: (forbidden as ForbiddenAddressError).message, timedOut: false };
-    const code = codeOf(error);
-    const said = (text: string) => ({ error: text, timedOut: false });
-    switch (code) {
-      case 'ECONNREFUSED':
-        return said('connection refused');
-      case 'ECONNRESET':
-      case 'UND_ERR_SOCKET':
-        return said('the connection was closed before an answer');
-      case 'ENOTFOUND':
-        return said('the host name does not resolve');
-      case 'EAI_AGAIN':
-        return said('the host name could not be resolved (DNS lookup failed)');
-      case 'UND_ERR_CONNECT_TIMEOUT':
-      case 'ETIMEDOUT':
-        return { error: 'no connection within the timeout', timedOut: true };
-      case 'EHOSTUNREACH':
-      case 'ENETUNREACH':
-        return said('the host is unreachable');
-    }
-    if (code && /^(ERR_TLS_|ERR_SSL_|CERT_|UNABLE_TO_|DEPTH_ZERO_|SELF_SIGNED_)/.test(code)) return said(`TLS failed: ${code}`);
-    this.#log.warn({ err: errorSummary(error) }, 'webhook try failed unexpectedly');
-    return said(`connection failed: ${code ?? 'unknown error'}`);
+    const failure = connectionFailure(error);
+    if (!failure.known) this.#log.warn({ err: errorSummary(error) }, 'webhook try failed unexpectedly');
+    return { error: failure.says, timedOut: failure.timedOut };
   }
 
   /** Runs a statement, retrying while the database is unavailable: for OUTAGE_PATIENCE_MS, or `untilAbandoned`. */
@@ -631,23 +613,4 @@ export class WebhookDeliverer {
       log: { logger: this.#log, message: 'database unavailable; retrying' },
     });
   }
-}
-
-/** The error, or one of its causes (or of an AggregateError's errors), that satisfies `test`. */
-function findCause(error: unknown, test: (cause: unknown) => boolean, depth = 0): unknown {
-  if (error === undefined || error === null || depth > 5) return undefined;
-  if (test(error)) return error;
-  if (error instanceof AggregateError) {
-    for (const inner of error.errors) {
-      const found = findCause(inner, test, depth + 1);
-      if (found) return found;
-    }
-  }
-  return error instanceof Error ? findCause(error.cause, test, depth + 1) : undefined;
-}
-
-/** The first string `code` of the error or its causes. */
-function codeOf(error: unknown): string | undefined {
-  const found = findCause(error, (cause) => typeof (cause as { code?: unknown })?.code === 'string');
-  return found ? (found as { code: string }).code : undefined;
 }
