@@ -33,7 +33,7 @@ import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
-import { landWithin, type InFlight } from '../grace.ts';
+import { ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
@@ -98,9 +98,6 @@ const KEEP_ALIVE_MS = 10_000;
 // How long a statement other than a try's end is retried while the database is unavailable
 // (the job fails then, and graphile-worker runs it again later).
 const OUTAGE_PATIENCE_MS = 60_000;
-
-const ABORTED_BY_SHUTDOWN = 'shutdown';
-const ABORTED_BY_TIMEOUT = 'timeout';
 
 /**
  * How long an endpoint's wake job waits before looking at messages that found no room, the
@@ -312,9 +309,7 @@ export class WebhookDeliverer {
   async #stop(): Promise<void> {
     this.#stopping = true;
     await Promise.allSettled([...this.#claims]);
-    await landWithin(this.#options.config.shutdownGraceMs, () => this.#tries.values(), ABORTED_BY_SHUTDOWN, () =>
-      this.#abandoning.abort(),
-    );
+    await landWithin(this.#options.config.shutdownGraceMs, () => this.#tries.values(), () => this.#abandoning.abort());
     await this.#agent.destroy();
   }
 

@@ -20,6 +20,7 @@ import type { Config } from '../config.ts';
 import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
+import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN } from '../grace.ts';
 import type { KeyMode } from '../ids.ts';
 import type { StartedAttempt } from '../lanes/repository.ts';
 import { SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
@@ -70,12 +71,6 @@ export function retryDelay(
   const jittered = Math.floor(jitter(doubling(failedAttempt, settings.retryBaseMs, settings.retryMaxMs), 1, 0, random));
   return retryAfterMs === undefined ? jittered : Math.max(jittered, Math.min(retryAfterMs, MAX_RETRY_AFTER_MS));
 }
-
-/** Why a call was aborted (AbortController.abort's reason). */
-export const ABORTED_BY_SHUTDOWN = 'shutdown';
-export const ABORTED_BY_TIMEOUT = 'timeout';
-/** Its request ended meanwhile (cancelled, or finished by another worker): its attempt is recorded already. */
-export const ABORTED_AS_ENDED = 'ended';
 
 export interface Attempts {
   /** Calls the upstream with no database connection held, then records the outcome. Never rejects. */
