@@ -6,7 +6,7 @@
 // each asks the primary), so that a scrape sees the whole service whichever process it reaches.
 import cluster, { type Worker as ClusterChild } from 'node:cluster';
 import client from 'prom-client';
-import { Backoff } from './backoff.ts';
+import { Backoff } from './client/backoff.ts';
 import type { Config } from './config.ts';
 import { errorSummary } from './db/pool.ts';
 import type { Logger } from './logger.ts';

@@ -1,5 +1,11 @@
-// Work in flight at shutdown (upstream calls, webhook tries): given SHUTDOWN_GRACE_MS to land,
-// then aborted, and awaited to the end either way.
+// Work in flight (upstream calls, webhook tries): why it is aborted, and how it lands at
+// shutdown: given SHUTDOWN_GRACE_MS, then aborted, and awaited to the end either way.
+
+/** Why work in flight was aborted (AbortController.abort's reason, read back as signal.reason). */
+export const ABORTED_BY_SHUTDOWN = 'shutdown';
+export const ABORTED_BY_TIMEOUT = 'timeout';
+/** A call's request ended meanwhile (cancelled, or finished by another worker): its attempt is recorded already. */
+export const ABORTED_AS_ENDED = 'ended';
 
 export interface InFlight {
   controller: AbortController;
@@ -8,21 +14,16 @@ export interface InFlight {
 }
 
 /**
- * Waits for what `inFlight()` lists to land, for `graceMs` at most; then aborts what is left with
- * `reason`, calls `graceOver`, and waits for all of it.
+ * Waits for what `inFlight()` lists to land, for `graceMs` at most; then aborts what is left
+ * (ABORTED_BY_SHUTDOWN), calls `graceOver`, and waits for all of it.
  */
-export async function landWithin(
-  graceMs: number,
-  inFlight: () => Iterable<InFlight>,
-  reason: string,
-  graceOver?: () => void,
-): Promise<void> {
+export async function landWithin(graceMs: number, inFlight: () => Iterable<InFlight>, graceOver?: () => void): Promise<void> {
   const all = () => Promise.all([...inFlight()].map((flight) => flight.done));
   let timer: NodeJS.Timeout | undefined;
   const grace = new Promise<void>((resolve) => (timer = setTimeout(resolve, graceMs)));
   await Promise.race([all(), grace]);
   clearTimeout(timer);
-  for (const flight of inFlight()) flight.controller.abort(reason);
+  for (const flight of inFlight()) flight.controller.abort(ABORTED_BY_SHUTDOWN);
   graceOver?.();
   await all();
 }

@@ -1,4 +1,5 @@
 // When to try a call again, and how long to wait first.
+import { doubling, jitter } from './backoff.ts';
 import { APIUserAbortError } from './errors.ts';
 
 /** A retry-after longer than this is not waited out: the error is thrown instead. */
@@ -28,8 +29,7 @@ export function isRetryableAnswer(status: number, code: string | null): boolean 
  * do not come back together.
  */
 export function backoffMs(failures: number): number {
-  const ceiling = Math.min(INITIAL_BACKOFF_MS * 2 ** (failures - 1), MAX_BACKOFF_MS);
-  return ceiling * (1 - Math.random() * 0.25);
+  return jitter(doubling(failures, INITIAL_BACKOFF_MS, MAX_BACKOFF_MS), 0.25);
 }
 
 /**

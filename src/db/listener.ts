@@ -9,7 +9,7 @@
 // meanwhile every NOTIFY is missed. So the connection is asked a round trip regularly, and one
 // that does not answer in time is treated as lost.
 import pg from 'pg';
-import { Backoff } from '../backoff.ts';
+import { Backoff } from '../client/backoff.ts';
 import type { Logger } from '../logger.ts';
 import { errorSummary } from './pool.ts';
 

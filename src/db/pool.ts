@@ -3,6 +3,7 @@
 import { Kysely, PostgresDialect, type PostgresPool, type PostgresPoolClient } from 'kysely';
 import pg from 'pg';
 import type { Logger } from '../logger.ts';
+import { isUnreachable } from '../network-errors.ts';
 import type { Database } from './database.ts';
 
 export const SCHEMA = 'gateway';
@@ -141,9 +142,6 @@ function noConnection(error: unknown): unknown {
   return error;
 }
 
-// Node's socket errors: the server is out of reach.
-const SOCKET_ERRORS = new Set(['ECONNREFUSED', 'ECONNRESET', 'ENOTFOUND', 'EAI_AGAIN', 'ETIMEDOUT', 'EPIPE', 'EHOSTUNREACH', 'ENETUNREACH']);
-
 /**
  * SQLSTATEs of a database that cannot serve now, though it may soon: class 08 (connection
  * exception), class 53 (insufficient resources: too many connections, out of memory, disk
@@ -163,18 +161,13 @@ export function isUnavailableState(sqlstate: string): boolean {
  * The database is down, restarting, out of reach or out of resources: a failure that is no
  * fault of the statement's, answered 503 with retry-after and ridden out by retries. The
  * server's errors are judged by their SQLSTATE alone; errors without one by their socket error
- * code (their own or a cause's), or by having happened while getting or using a connection
- * (see noConnection).
+ * code (their own or a cause's, as network-errors.ts knows them), or by having happened while
+ * getting or using a connection (see noConnection).
  */
 export function isDatabaseUnavailable(error: unknown): boolean {
   if (error instanceof pg.DatabaseError) return error.code !== undefined && isUnavailableState(error.code);
   if (!(error instanceof Error)) return false;
-  if (unavailableErrors.has(error)) return true;
-  for (let cause: unknown = error, depth = 0; cause instanceof Error && depth < 5; cause = cause.cause, depth++) {
-    const code = (cause as { code?: unknown }).code;
-    if (typeof code === 'string' && SOCKET_ERRORS.has(code)) return true;
-  }
-  return false;
+  return unavailableErrors.has(error) || isUnreachable(error);
 }
 
 /** What of a database error may be logged: its class, code and message, not its query or values. */

@@ -2,7 +2,7 @@
 // is tried again, with backoff, until it succeeds, the time allowed is over, or the caller
 // gives up.
 import { setTimeout as sleep } from 'node:timers/promises';
-import { Backoff } from '../backoff.ts';
+import { Backoff } from '../client/backoff.ts';
 import type { Logger } from '../logger.ts';
 import { errorSummary, isDatabaseUnavailable } from './pool.ts';
 

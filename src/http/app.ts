@@ -152,7 +152,8 @@ function answerLater(
   ctx.respond = false;
   // Koa watches every response with on-finished until it ends, and that holds on to the
   // context. 'end' (never emitted by a ServerResponse) makes on-finished let go now, and calls
-  // Koa's ctx.onerror(null), which does nothing.
+  // Koa's ctx.onerror(null), which does nothing. Koa 3 has no supported way to do this (nor
+  // on-finished a way to remove its listener): test/http/held-contexts.test.ts pins that it works.
   res.emit('end');
   const finish = (reply: Reply | undefined, caught?: unknown) => {
     try {

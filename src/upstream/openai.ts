@@ -3,6 +3,7 @@
 // (undici too) wraps each in WHATWG streams and a Response object, which cost CPU and memory.
 import { Agent, request } from 'undici';
 import { parseRetryAfter } from '../client/retry.ts';
+import { errorCode } from '../network-errors.ts';
 import { AnswerMemory, SMALL_ANSWER_BYTES } from './answer-memory.ts';
 import type { AttemptOutcome } from './outcome.ts';
 import { checkCompletion, failedWithStatus } from './outcome.ts';
@@ -140,8 +141,6 @@ function connectionFailure(error: unknown, signal: AbortSignal): AttemptOutcome 
   if (signal.aborted || name === 'AbortError' || name === 'TimeoutError') {
     return { ok: false, code: 'upstream_timeout', detail: 'no complete answer within the upstream timeout', upstreamStatus: null };
   }
-  const own = error instanceof Error ? (error as { code?: unknown }).code : undefined;
-  const cause = error instanceof Error ? (error.cause as { code?: unknown } | undefined)?.code : undefined;
-  const code = typeof cause === 'string' ? cause : typeof own === 'string' ? own : name || 'unknown error';
+  const code = errorCode(error) ?? (name || 'unknown error');
   return { ok: false, code: 'upstream_connection_error', detail: `connection failed: ${code}`, upstreamStatus: null };
 }

@@ -27,15 +27,17 @@
 // the database stays unavailable, until the shutdown's grace is over: given up, its message
 // would be handed back by the sweep and delivered again.
 import { Agent, request } from 'undici';
+import { doubling, jitter } from '../client/backoff.ts';
 import { parseRetryAfter } from '../client/retry.ts';
 import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
-import { landWithin, type InFlight } from '../grace.ts';
+import { ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
+import { connectionFailure, findCause } from '../network-errors.ts';
 import { recordJson } from '../requests/record.ts';
 import { deliveryConnector, ForbiddenAddressError, isAllowedScheme } from './address.ts';
 import {
@@ -97,16 +99,13 @@ const KEEP_ALIVE_MS = 10_000;
 // (the job fails then, and graphile-worker runs it again later).
 const OUTAGE_PATIENCE_MS = 60_000;
 
-const ABORTED_BY_SHUTDOWN = 'shutdown';
-const ABORTED_BY_TIMEOUT = 'timeout';
-
 /**
  * How long an endpoint's wake job waits before looking at messages that found no room, the
  * `deferrals`-th time in a row that there was none: 1 s, doubled each time, up to a minute. (A
  * try ending in a process that has the room looks at once.)
  */
 export function wakeDelay(deferrals: number): number {
-  return Math.min(60_000, 1_000 * 2 ** Math.min(deferrals, 16));
+  return doubling(deferrals + 1, 1_000, 60_000);
 }
 
 /**
@@ -122,8 +121,7 @@ export function nextTryDelay(
 ): number | undefined {
   const wait = scheduleMs[tries - 1];
   if (wait === undefined) return undefined;
-  const jittered = wait * (0.9 + 0.2 * random());
-  return Math.round(Math.min(MAX_RETRY_WAIT_MS, Math.max(jittered, retryAfterMs ?? 0)));
+  return Math.round(Math.min(MAX_RETRY_WAIT_MS, Math.max(jitter(wait, 0.1, 0.1, random), retryAfterMs ?? 0)));
 }
 
 /** The body of a delivery: the event, when its request ended, and the request's record. */
@@ -311,9 +309,7 @@ export class WebhookDeliverer {
   async #stop(): Promise<void> {
     this.#stopping = true;
     await Promise.allSettled([...this.#claims]);
-    await landWithin(this.#options.config.shutdownGraceMs, () => this.#tries.values(), ABORTED_BY_SHUTDOWN, () =>
-      this.#abandoning.abort(),
-    );
+    await landWithin(this.#options.config.shutdownGraceMs, () => this.#tries.values(), () => this.#abandoning.abort());
     await this.#agent.destroy();
   }
 
@@ -600,28 +596,9 @@ export class WebhookDeliverer {
     }
     const forbidden = findCause(error, (cause) => cause instanceof ForbiddenAddressError);
     if (forbidden) return { error: (forbidden as ForbiddenAddressError).message, timedOut: false };
-    const code = codeOf(error);
-    const said = (text: string) => ({ error: text, timedOut: false });
-    switch (code) {
-      case 'ECONNREFUSED':
-        return said('connection refused');
-      case 'ECONNRESET':
-      case 'UND_ERR_SOCKET':
-        return said('the connection was closed before an answer');
-      case 'ENOTFOUND':
-        return said('the host name does not resolve');
-      case 'EAI_AGAIN':
-        return said('the host name could not be resolved (DNS lookup failed)');
-      case 'UND_ERR_CONNECT_TIMEOUT':
-      case 'ETIMEDOUT':
-        return { error: 'no connection within the timeout', timedOut: true };
-      case 'EHOSTUNREACH':
-      case 'ENETUNREACH':
-        return said('the host is unreachable');
-    }
-    if (code && /^(ERR_TLS_|ERR_SSL_|CERT_|UNABLE_TO_|DEPTH_ZERO_|SELF_SIGNED_)/.test(code)) return said(`TLS failed: ${code}`);
-    this.#log.warn({ err: errorSummary(error) }, 'webhook try failed unexpectedly');
-    return said(`connection failed: ${code ?? 'unknown error'}`);
+    const failure = connectionFailure(error);
+    if (!failure.known) this.#log.warn({ err: errorSummary(error) }, 'webhook try failed unexpectedly');
+    return { error: failure.says, timedOut: failure.timedOut };
   }
 
   /** Runs a statement, retrying while the database is unavailable: for OUTAGE_PATIENCE_MS, or `untilAbandoned`. */
@@ -631,23 +608,4 @@ export class WebhookDeliverer {
       log: { logger: this.#log, message: 'database unavailable; retrying' },
     });
   }
-}
-
-/** The error, or one of its causes (or of an AggregateError's errors), that satisfies `test`. */
-function findCause(error: unknown, test: (cause: unknown) => boolean, depth = 0): unknown {
-  if (error === undefined || error === null || depth > 5) return undefined;
-  if (test(error)) return error;
-  if (error instanceof AggregateError) {
-    for (const inner of error.errors) {
-      const found = findCause(inner, test, depth + 1);
-      if (found) return found;
-    }
-  }
-  return error instanceof Error ? findCause(error.cause, test, depth + 1) : undefined;
-}
-
-/** The first string `code` of the error or its causes. */
-function codeOf(error: unknown): string | undefined {
-  const found = findCause(error, (cause) => typeof (cause as { code?: unknown })?.code === 'string');
-  return found ? (found as { code: string }).code : undefined;
 }

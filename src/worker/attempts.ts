@@ -15,10 +15,12 @@
 // its attempt running in the database: the supervisor's sweep, in another worker or in this one
 // started again, records it as worker_lost once this worker's heartbeat is gone, and its
 // request is retried.
+import { doubling, jitter } from '../client/backoff.ts';
 import type { Config } from '../config.ts';
 import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
+import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN } from '../grace.ts';
 import type { KeyMode } from '../ids.ts';
 import type { StartedAttempt } from '../lanes/repository.ts';
 import { SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
@@ -30,7 +32,6 @@ import { simulate } from '../upstream/simulator.ts';
 import { LANE_HEALTH } from '../lanes/health.ts';
 import { finishAttempts, type Finish, type Finished, type LostAttempt } from './attempts-repository.ts';
 import { reportLaneChange } from './lane-changes.ts';
-import { MAX_RETRY_AFTER_MS, retryDelay } from './backoff.ts';
 
 export interface AttemptDeps {
   db: Db;
@@ -52,11 +53,24 @@ export interface CallTarget {
   modelLabel: string;
 }
 
-/** Why a call was aborted (AbortController.abort's reason). */
-export const ABORTED_BY_SHUTDOWN = 'shutdown';
-export const ABORTED_BY_TIMEOUT = 'timeout';
-/** Its request ended meanwhile (cancelled, or finished by another worker): its attempt is recorded already. */
-export const ABORTED_AS_ENDED = 'ended';
+// A retry-after longer than this is not honoured in full: a request must not sleep for days,
+// nor a lane stay paused for them.
+export const MAX_RETRY_AFTER_MS = 60 * 60 * 1000;
+
+/**
+ * The wait before the retry after attempt `failedAttempt` failed: full jitter, a random time in
+ * [0, min(max, base * 2^(n-1))] (RETRY_BASE_MS, RETRY_MAX_MS), so that requests that failed
+ * together do not retry together; never shorter than a retry-after (honoured up to an hour).
+ */
+export function retryDelay(
+  settings: Pick<Config, 'retryBaseMs' | 'retryMaxMs'>,
+  failedAttempt: number,
+  retryAfterMs?: number,
+  random: () => number = Math.random,
+): number {
+  const jittered = Math.floor(jitter(doubling(failedAttempt, settings.retryBaseMs, settings.retryMaxMs), 1, 0, random));
+  return retryAfterMs === undefined ? jittered : Math.max(jittered, Math.min(retryAfterMs, MAX_RETRY_AFTER_MS));
+}
 
 export interface Attempts {
   /** Calls the upstream with no database connection held, then records the outcome. Never rejects. */

@@ -33,7 +33,7 @@ import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import { LRUCache } from 'lru-cache';
 import { errorSummary, type Db } from '../db/pool.ts';
-import { landWithin, type InFlight } from '../grace.ts';
+import { ABORTED_AS_ENDED, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import {
@@ -51,7 +51,7 @@ import { deploymentsOf, modelLabel, NO_LIMITS, SIMULATOR, upstreamModel, type Up
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { reportLaneChange } from './lane-changes.ts';
-import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, type Attempts, type CallTarget } from './attempts.ts';
+import type { Attempts, CallTarget } from './attempts.ts';
 
 export interface DispatcherOptions {
   db: Db;
@@ -207,9 +207,7 @@ export class Dispatcher {
     this.#stopping = true;
     clearInterval(this.#polling);
     await Promise.all([...this.#queues.values()].map((queue) => queue.loop));
-    await landWithin(this.#options.graceMs, () => this.#calls.values(), ABORTED_BY_SHUTDOWN, () =>
-      this.#options.attempts.abandonRecordings(),
-    );
+    await landWithin(this.#options.graceMs, () => this.#calls.values(), () => this.#options.attempts.abandonRecordings());
     await Promise.all(this.#checks);
   }
 

@@ -17,7 +17,7 @@
 // have landed (SHUTDOWN_GRACE_MS at most), so that no other worker takes them for lost meanwhile.
 import { EventEmitter } from 'node:events';
 import { run, type Runner, type WorkerEvents } from 'graphile-worker';
-import { Backoff } from '../backoff.ts';
+import { Backoff } from '../client/backoff.ts';
 import { errorSummary, isDatabaseUnavailable } from '../db/pool.ts';
 import { findLostAttempts } from './attempts-repository.ts';
 import type { Attempts } from './attempts.ts';

@@ -13,11 +13,11 @@ export interface ServeProcess {
 
 /**
  * Starts `gateway serve` (with `args`, e.g. ['--role', 'worker']) with these settings over the
- * test's own environment; killed at teardown.
+ * test's own environment, and `nodeArgs` for node itself; killed at teardown.
  */
-export function spawnServe(t: Teardown, env: Record<string, string>, args: string[] = []): ServeProcess {
+export function spawnServe(t: Teardown, env: Record<string, string>, args: string[] = [], nodeArgs: string[] = []): ServeProcess {
   const cli = new URL('../../src/cli.ts', import.meta.url).pathname;
-  const child = spawn(process.execPath, [...process.execArgv, cli, 'serve', ...args], {
+  const child = spawn(process.execPath, [...process.execArgv, ...nodeArgs, cli, 'serve', ...args], {
     env: { ...process.env, ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
   });

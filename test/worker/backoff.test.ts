@@ -1,6 +1,6 @@
 // Full-jitter exponential backoff, and retry-after.
 import t from 'tap';
-import { retryDelay } from '../../src/worker/backoff.ts';
+import { retryDelay } from '../../src/worker/attempts.ts';
 
 const settings = { retryBaseMs: 100, retryMaxMs: 1_000 };
 

@@ -1,5 +1,6 @@
 // client.requests: GET /v1/requests/{id} (docs/api.md, "Looking up a request"), polling it to
 // the end, and POST /v1/requests/{id}/cancel ("Cancelling a request").
+import { Backoff, jitter } from '../backoff.ts';
 import type { RequestFunction, RequestOptions } from '../request.ts';
 import { sleep } from '../retry.ts';
 import type { CancelledRequestRecord, RequestRecord, TerminalRequestRecord } from '../types.ts';
@@ -40,11 +41,12 @@ export class Requests {
    */
   async poll(id: string, options: PollOptions = {}): Promise<TerminalRequestRecord> {
     const { pollIntervalMs = 250, maxPollIntervalMs = 5_000, ...requestOptions } = options;
-    for (let pause = pollIntervalMs; ; pause = Math.min(pause * 2, maxPollIntervalMs)) {
+    const pauses = new Backoff(pollIntervalMs, maxPollIntervalMs);
+    for (;;) {
       const record = await this.get(id, requestOptions);
       if (record.status === 'completed' || record.status === 'failed' || record.status === 'cancelled') return record;
       // Up to a fifth less at random, so pollers started together spread out.
-      await sleep(pause * (1 - Math.random() * 0.2), options.signal);
+      await sleep(jitter(pauses.next(), 0.2), options.signal);
     }
   }
 }
