@@ -23,7 +23,8 @@
 // and all of A's attacks), then A stops and 10 s more of B alone ("after", reported only); then
 // everything drains. NEIGHBOUR_ATTACKS=big-prompts,test-429 runs only those attacks (or "none":
 // B alone in every phase, the run-to-run noise); NEIGHBOUR_BASELINE_S, NEIGHBOUR_ATTACK_S and
-// NEIGHBOUR_AFTER_S change the phases' lengths; NEIGHBOUR_PROFILE=<directory> has the gateway's
+// NEIGHBOUR_AFTER_S change the phases' lengths; NEIGHBOUR_SETTINGS="LOG_LEVEL=warn,..." changes
+// the gateway's settings below for one run; NEIGHBOUR_PROFILE=<directory> has the gateway's
 // processes write CPU profiles there.
 //
 // The settings are those a careful operator of a gateway shared by several projects would set:
@@ -72,6 +73,7 @@ import {
   postgresCpuSeconds,
   processCpuSeconds,
   scrape,
+  ThreadMeter,
   walCounters,
   type Attack,
   type AttackPlan,
@@ -128,6 +130,18 @@ const SETTINGS: Record<string, string> = {
   PROVIDER_API_KEY: UPSTREAM_API_KEY,
 };
 
+/** NEIGHBOUR_SETTINGS="LOG_LEVEL=warn,RATE_LIMIT_RPS=10": settings of the gateway changed for one run, to see what each does. */
+function changedSettings(text: string | undefined): Record<string, string> {
+  const changed: Record<string, string> = {};
+  for (const item of (text ?? '').split(',').map((part) => part.trim()).filter(Boolean)) {
+    const equals = item.indexOf('=');
+    if (equals <= 0) throw new Error(`NEIGHBOUR_SETTINGS: "${item}" is not NAME=value`);
+    changed[item.slice(0, equals)] = item.slice(equals + 1);
+  }
+  return changed;
+}
+const CHANGED = changedSettings(process.env.NEIGHBOUR_SETTINGS);
+
 /** What the main thread reads of the machine at each phase's boundaries. */
 interface Snapshot {
   at: number;
@@ -140,7 +154,7 @@ interface Snapshot {
 /** What it samples during each phase. */
 interface Samples {
   /** Looks at pg_stat_activity, and what each found active. */
-  activity: { looks: number; active: Record<string, number> };
+  activity: { looks: number; waits: Record<string, number>; statements: Record<string, number> };
   /** Per scrape (each about a second apart), of both processes. */
   apiPoolWaiting: number[];
   apiPoolInUse: number[];
@@ -152,7 +166,7 @@ interface Samples {
 }
 
 const emptySamples = (): Samples => ({
-  activity: { looks: 0, active: {} },
+  activity: { looks: 0, waits: {}, statements: {} },
   apiPoolWaiting: [],
   apiPoolInUse: [],
   workerPoolWaiting: [],
@@ -179,7 +193,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   const faults = await faultContext(t, SCENARIO);
   // NEIGHBOUR_PROFILE=<directory>: the gateway's processes write CPU profiles there (at exit).
   const profile = process.env.NEIGHBOUR_PROFILE ? { NODE_OPTIONS: `--cpu-prof --cpu-prof-dir=${process.env.NEIGHBOUR_PROFILE}` } : {};
-  const env = { ...SETTINGS, UPSTREAMS_FILE: upstreams, ...profile };
+  const env = { ...SETTINGS, ...CHANGED, UPSTREAMS_FILE: upstreams, ...profile };
   const api = await faults.start('api', { env });
   const worker = await faults.start('worker', { env });
   const metricsUrlOf = (process: typeof api) => {
@@ -223,7 +237,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   };
   const boundaries = [schedule.warmupAt, schedule.baselineAt, schedule.attackAt, schedule.afterAt, schedule.endAt];
   t.comment(`phases (the attack from ${new Date(schedule.attackAt).toISOString()}): warm-up ${WARMUP_MS / 1000} s, baseline ${BASELINE_MS / 1000} s, attack ${ATTACK_MS / 1000} s, after ${AFTER_MS / 1000} s; A's attacks: ${RUNNING.map((attack) => `${attack} (${ATTACK_RATES[attack]}/s)`).join(', ') || 'none'}`);
-  t.comment(`settings: ${Object.entries(SETTINGS).filter(([name]) => name !== 'PROVIDER_API_KEY').map(([name, value]) => `${name}=${value}`).join(' ')}`);
+  t.comment(`settings: ${Object.entries({ ...SETTINGS, ...CHANGED }).filter(([name]) => name !== 'PROVIDER_API_KEY').map(([name, value]) => `${name}=${value}`).join(' ')}`);
 
   // The main thread's samplers: a snapshot at each boundary, pg_stat_activity every 250 ms, the
   // gauges of both processes every second.
@@ -262,7 +276,9 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       const active = await activeBackends(faults.pool).catch(() => undefined);
       if (phase && active) {
         samples[phase].activity.looks++;
-        for (const name of active) samples[phase].activity.active[name] = (samples[phase].activity.active[name] ?? 0) + 1;
+        const { activity } = samples[phase];
+        for (const name of active.waits) activity.waits[name] = (activity.waits[name] ?? 0) + 1;
+        for (const name of active.statements) activity.statements[name] = (activity.statements[name] ?? 0) + 1;
       }
       await sleep(250);
     }
@@ -290,6 +306,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   })();
 
   // The run.
+  const mainMeter = new ThreadMeter(schedule);
   await provider.ask('measure', schedule);
   const tenantRun = tenant.ask<{ calls: TenantCall[]; meter: Partial<Record<Phase, ThreadPhase>> }>('run', {
     apiUrl: api.url!,
@@ -306,6 +323,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   await sampling;
   samplingDone = true;
   await Promise.all([activityLoop, gaugeLoop]);
+  mainMeter.stop();
   const providerStats = await provider.ask<ProviderStats>('stats');
 
   // Drain: every request of B ends, and each of its events reaches the receiver.
@@ -372,6 +390,19 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       return `${phase}: ${Object.entries(parts).map(([name, values]) => `${name} ${ms(percentile(values, 0.5))}/${ms(percentile(values, 0.99))}`).join(', ')}`;
     });
     t.comment(`B ${mode}, where the time went (p50/p99 of each part): ${segments.join(' | ')}`);
+    // The slowest under attack, each part of its time: a stall shows as requests sent together.
+    const slowest = bCalls
+      .filter((answer) => answer.mode === mode && answer.phase === 'attack')
+      .sort((x, y) => y.ms - x.ms)
+      .slice(0, 5)
+      .map((answer) => {
+        const row = rowByContent.get(answer.content);
+        const at = `+${((answer.sentAt - schedule.attackAt) / 1000).toFixed(1)} s ${answer.ms} ms`;
+        if (!row?.started_at || !row.attempt_finished_at || !row.finished_at) return `${at} (${answer.status} ${answer.detail ?? ''})`;
+        const callMs = row.call_ms ?? 0;
+        return `${at} (intake ${row.created_at.getTime() - answer.sentAt}, to start ${row.started_at.getTime() - row.created_at.getTime()}, call ${callMs}, attempt rest ${row.attempt_finished_at.getTime() - row.started_at.getTime() - callMs}, answer ${answer.sentAt + answer.ms - row.finished_at.getTime()})`;
+      });
+    t.comment(`B ${mode}, the slowest under attack (sent at, from the attack's start): ${slowest.join('; ')}`);
   }
   t.comment(`B's attempts per request: ${formatCounts(countBy(bRows, (row) => String(row.attempts)))}`);
   t.comment(`B's answers: ${formatCounts(countBy(bCalls, (answer) => `${answer.mode} ${answer.status}${answer.completed ? ' completion' : ` ${answer.detail}`}`))}`);
@@ -424,7 +455,8 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   t.comment(`gateway.requests with its TOAST: ${sizeRows[0]!.requests}`);
 
   // ---- Where the time went -----------------------------------------------------------------
-  const threadMeters = { tenant: bRun.meter, attacker: aRun.meter, provider: providerStats.meter };
+  // (main: the test's own thread, which also reads every line the gateway's processes log.)
+  const threadMeters = { tenant: bRun.meter, attacker: aRun.meter, provider: providerStats.meter, main: mainMeter.phases };
   for (const [index, phase] of PHASES.entries()) {
     if (phase === 'warmup') continue;
     const before = snapshots[index];
@@ -447,7 +479,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       const meter = threadMeters[name][phase];
       return meter ? `${name} p99 ${round(meter.eventLoopP99Ms, 1)} ms max ${round(meter.eventLoopMaxMs, 1)} ms` : `${name} n/a`;
     };
-    const testMain = round(known.test - threadCores('tenant') - threadCores('attacker') - threadCores('provider'));
+    const testMain = threadCores('main');
     t.comment(
       `${phase}: CPU in cores (of ${availableParallelism()}): machine ${busy}; api ${known.api}, worker ${known.worker}, postgres ${known.postgres}, ` +
         `test process ${known.test} (B's client ${threadCores('tenant')}, A's client ${threadCores('attacker')}, provider ${threadCores('provider')}, main ${testMain}), ` +
@@ -458,14 +490,18 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
     const mean = (values: number[]) => (values.length ? round(values.reduce((sum, value) => sum + value, 0) / values.length, 1) : 'n/a');
     t.comment(
       `${phase}: event-loop delay (the gateway's includes its 10 ms resolution): api p99 (per second) mean ${mean(s.apiLagP99)} ms, max ${max(s.apiLagMax)} ms; worker p99 mean ${mean(s.workerLagP99)} ms, max ${max(s.workerLagMax)} ms; ` +
-        `test threads: ${threadLag('tenant')}, ${threadLag('attacker')}, ${threadLag('provider')}`,
+        `test threads: ${threadLag('tenant')}, ${threadLag('attacker')}, ${threadLag('provider')}, ${threadLag('main')}`,
     );
     t.comment(`${phase}: api pool in use max ${max(s.apiPoolInUse)} (mean ${mean(s.apiPoolInUse)}), callers waiting for a connection max ${max(s.apiPoolWaiting)} (mean ${mean(s.apiPoolWaiting)}); worker pool waiting max ${max(s.workerPoolWaiting)}`);
-    const activeMeans = Object.entries(s.activity.active)
-      .map(([name, count]) => [name, count / Math.max(1, s.activity.looks)] as const)
-      .sort((x, y) => y[1] - x[1])
-      .slice(0, 8);
-    t.comment(`${phase}: Postgres backends active (mean of ${s.activity.looks} looks): ${activeMeans.map(([name, value]) => `${name} ${round(value)}`).join(', ') || 'none'}`);
+    const means = (counts: Record<string, number>, top: number) =>
+      Object.entries(counts)
+        .map(([name, count]) => [name, count / Math.max(1, s.activity.looks)] as const)
+        .sort((x, y) => y[1] - x[1])
+        .slice(0, top)
+        .map(([name, value]) => `${name} ${round(value)}`)
+        .join(', ') || 'none';
+    t.comment(`${phase}: Postgres backends busy (active, or idle in a transaction; mean of ${s.activity.looks} looks): ${means(s.activity.waits, 10)}`);
+    t.comment(`${phase}: their statements: ${means(s.activity.statements, 8)}`);
     if (before.wal && after.wal) {
       const walMb = (after.wal.lsnBytes - before.wal.lsnBytes) / 1e6;
       t.comment(

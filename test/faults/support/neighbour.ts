@@ -60,7 +60,7 @@ export interface ThreadPhase {
 }
 
 /** Measures the calling thread phase by phase, from its start to the schedule's end. */
-class ThreadMeter {
+export class ThreadMeter {
   readonly phases: Partial<Record<Phase, ThreadPhase>> = {};
   readonly #delay = monitorEventLoopDelay({ resolution: 1 });
   #cpu = process.threadCpuUsage();
@@ -357,7 +357,9 @@ function tenantThread(): void {
                     ? undefined
                     : answer.status === 0
                       ? answer.failure
-                      : (answer.body?.error?.code ?? answer.body?.status ?? preview(answer.body, 80)),
+                      : answer.body?.error
+                        ? `${answer.body.error.code} (${preview(answer.body.error.message, 120)})`
+                        : (answer.body?.status ?? preview(answer.body, 80)),
                   content,
                 };
               }),
@@ -768,15 +770,23 @@ export function metricBy(values: Map<string, number>, name: string, label: strin
   return by;
 }
 
-/** One look at the database's client backends that are active: "application wait-event" each. */
-export async function activeBackends(pool: pg.Pool): Promise<string[]> {
-  const { rows } = await pool.query<{ application_name: string; wait: string }>(
-    `select application_name, coalesce(wait_event_type || ':' || wait_event, 'on CPU') as wait
+/**
+ * One look at the database's client backends of the gateway: for each that is active or idle in
+ * a transaction, "application wait-event" and "application statement" (its first words).
+ */
+export async function activeBackends(pool: pg.Pool): Promise<{ waits: string[]; statements: string[] }> {
+  const { rows } = await pool.query<{ application_name: string; wait: string; statement: string }>(
+    `select application_name,
+            case when state = 'active' then coalesce(wait_event_type || ':' || wait_event, 'on CPU') else state end as wait,
+            left(regexp_replace(query, '\\s+', ' ', 'g'), 60) as statement
      from pg_stat_activity
-     where datname = current_database() and state = 'active' and pid <> pg_backend_pid()
+     where datname = current_database() and state in ('active', 'idle in transaction') and pid <> pg_backend_pid()
        and backend_type = 'client backend' and application_name not like 'faults-%'`,
   );
-  return rows.map((row) => `${row.application_name || '(unnamed)'} ${row.wait}`);
+  return {
+    waits: rows.map((row) => `${row.application_name || '(unnamed)'} ${row.wait}`),
+    statements: rows.map((row) => `${row.application_name || '(unnamed)'} "${row.statement}"`),
+  };
 }
 
 /** WAL and checkpoint counters of the whole server, to be compared between two moments. */
