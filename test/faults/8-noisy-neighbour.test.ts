@@ -23,7 +23,8 @@
 // and all of A's attacks), then A stops and 10 s more of B alone ("after", reported only); then
 // everything drains. NEIGHBOUR_ATTACKS=big-prompts,test-429 runs only those attacks (or "none":
 // B alone in every phase, the run-to-run noise); NEIGHBOUR_BASELINE_S, NEIGHBOUR_ATTACK_S and
-// NEIGHBOUR_AFTER_S change the phases' lengths; NEIGHBOUR_SETTINGS="LOG_LEVEL=warn,..." changes
+// NEIGHBOUR_AFTER_S change the phases' lengths; NEIGHBOUR_A_CONNECTIONS (512) bounds the
+// connections A's client opens; NEIGHBOUR_SETTINGS="LOG_LEVEL=warn,..." changes
 // the gateway's settings below for one run; NEIGHBOUR_PROFILE=<directory> has the gateway's
 // processes write CPU profiles there.
 //
@@ -113,6 +114,9 @@ function chosenAttacks(text: string | undefined): Attack[] {
   return ATTACKS.filter((attack) => names.includes(attack));
 }
 const RUNNING = chosenAttacks(process.env.NEIGHBOUR_ATTACKS);
+// A's client is open loop: when the API falls behind, its requests wait for answers, and it opens
+// connections for the next ones, up to this many (NEIGHBOUR_A_CONNECTIONS).
+const A_CONNECTIONS = Number(process.env.NEIGHBOUR_A_CONNECTIONS ?? 512);
 
 const SETTINGS: Record<string, string> = {
   RATE_LIMIT_RPS: '20',
@@ -158,6 +162,8 @@ interface Samples {
   /** Per scrape (each about a second apart), of both processes. */
   apiPoolWaiting: number[];
   apiPoolInUse: number[];
+  /** Open file descriptors of the API process: mostly its clients' connections. */
+  apiOpenFds: number[];
   workerPoolWaiting: number[];
   apiLagP99: number[];
   apiLagMax: number[];
@@ -169,6 +175,7 @@ const emptySamples = (): Samples => ({
   activity: { looks: 0, waits: {}, statements: {} },
   apiPoolWaiting: [],
   apiPoolInUse: [],
+  apiOpenFds: [],
   workerPoolWaiting: [],
   apiLagP99: [],
   apiLagMax: [],
@@ -236,7 +243,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
     endAt: warmupAt + WARMUP_MS + BASELINE_MS + ATTACK_MS + AFTER_MS,
   };
   const boundaries = [schedule.warmupAt, schedule.baselineAt, schedule.attackAt, schedule.afterAt, schedule.endAt];
-  t.comment(`phases (the attack from ${new Date(schedule.attackAt).toISOString()}): warm-up ${WARMUP_MS / 1000} s, baseline ${BASELINE_MS / 1000} s, attack ${ATTACK_MS / 1000} s, after ${AFTER_MS / 1000} s; A's attacks: ${RUNNING.map((attack) => `${attack} (${ATTACK_RATES[attack]}/s)`).join(', ') || 'none'}`);
+  t.comment(`phases (the attack from ${new Date(schedule.attackAt).toISOString()}): warm-up ${WARMUP_MS / 1000} s, baseline ${BASELINE_MS / 1000} s, attack ${ATTACK_MS / 1000} s, after ${AFTER_MS / 1000} s; A's attacks: ${RUNNING.map((attack) => `${attack} (${ATTACK_RATES[attack]}/s)`).join(', ') || 'none'}, over ${A_CONNECTIONS} connections at most`);
   t.comment(`settings: ${Object.entries({ ...SETTINGS, ...CHANGED }).filter(([name]) => name !== 'PROVIDER_API_KEY').map(([name, value]) => `${name}=${value}`).join(' ')}`);
 
   // The main thread's samplers: a snapshot at each boundary, pg_stat_activity every 250 ms, the
@@ -295,6 +302,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
         const s = samples[phase];
         s.apiPoolWaiting.push(metricSum(apiMetrics, 'gateway_db_pool_connections', { pool: 'api', state: 'waiting' }));
         s.apiPoolInUse.push(metricSum(apiMetrics, 'gateway_db_pool_connections', { pool: 'api', state: 'in_use' }));
+        s.apiOpenFds.push(metricSum(apiMetrics, 'gateway_process_open_fds'));
         s.workerPoolWaiting.push(metricSum(workerMetrics, 'gateway_db_pool_connections', { pool: 'worker', state: 'waiting' }));
         s.apiLagP99.push(metricSum(apiMetrics, 'gateway_nodejs_eventloop_lag_p99_seconds') * 1000);
         s.apiLagMax.push(metricSum(apiMetrics, 'gateway_nodejs_eventloop_lag_max_seconds') * 1000);
@@ -317,7 +325,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       { mode: 'test', key: b.test, model: 'test-delay-200', rate: B_RATE },
     ],
   });
-  const plan: AttackPlan = { apiUrl: api.url!, schedule, attacks: RUNNING, keys: aKeys, sharedModel: SHARED_MODEL };
+  const plan: AttackPlan = { apiUrl: api.url!, schedule, attacks: RUNNING, keys: aKeys, sharedModel: SHARED_MODEL, connections: A_CONNECTIONS };
   const attackRun = attacker.ask<{ reports: AttackReport[]; meter: Partial<Record<Phase, ThreadPhase>>; hungRequests: number }>('run', plan);
   const [bRun, aRun] = await Promise.all([tenantRun, attackRun]);
   await sampling;
@@ -492,7 +500,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       `${phase}: event-loop delay (the gateway's includes its 10 ms resolution): api p99 (per second) mean ${mean(s.apiLagP99)} ms, max ${max(s.apiLagMax)} ms; worker p99 mean ${mean(s.workerLagP99)} ms, max ${max(s.workerLagMax)} ms; ` +
         `test threads: ${threadLag('tenant')}, ${threadLag('attacker')}, ${threadLag('provider')}, ${threadLag('main')}`,
     );
-    t.comment(`${phase}: api pool in use max ${max(s.apiPoolInUse)} (mean ${mean(s.apiPoolInUse)}), callers waiting for a connection max ${max(s.apiPoolWaiting)} (mean ${mean(s.apiPoolWaiting)}); worker pool waiting max ${max(s.workerPoolWaiting)}`);
+    t.comment(`${phase}: api open file descriptors (its clients' connections, mostly) max ${max(s.apiOpenFds)}; api pool in use max ${max(s.apiPoolInUse)} (mean ${mean(s.apiPoolInUse)}), callers waiting for a connection max ${max(s.apiPoolWaiting)} (mean ${mean(s.apiPoolWaiting)}); worker pool waiting max ${max(s.workerPoolWaiting)}`);
     const means = (counts: Record<string, number>, top: number) =>
       Object.entries(counts)
         .map(([name, count]) => [name, count / Math.max(1, s.activity.looks)] as const)

@@ -421,6 +421,8 @@ export interface AttackPlan {
   keys: Partial<Record<Attack, CreatedKey>>;
   /** The live model B uses: the big prompts go to it. */
   sharedModel: string;
+  /** Connections A's client opens to the API at most (its requests beyond wait for one, in A's client). */
+  connections: number;
 }
 
 export interface AttackReport {
@@ -591,7 +593,7 @@ function attackerThread(): void {
     },
     async run(plan: AttackPlan) {
       const meter = new ThreadMeter(plan.schedule);
-      const agent = new Agent({ keepAliveTimeout: 10_000, connections: 512 });
+      const agent = new Agent({ keepAliveTimeout: 10_000, connections: plan.connections });
       t.teardown(() => agent.destroy());
       const reports = await Promise.all(plan.attacks.map((attack) => runAttack(attack, plan, agent)));
       await sleepUntil(plan.schedule.endAt);
