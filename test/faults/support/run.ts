@@ -32,6 +32,7 @@ export const SCENARIOS = [
   '5-hostile-input',
   '6-isolation-and-logs',
   '7-webhook-receiver-down',
+  '8-noisy-neighbour',
 ] as const;
 
 const PREFIX = 'gateway-faults-';
