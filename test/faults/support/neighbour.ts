@@ -23,6 +23,7 @@ import { Agent, request } from 'undici';
 import { stringToSign } from '../../../src/client/signing.ts';
 import { randomBase62, REQUEST_ID } from '../../../src/ids.ts';
 import type { CreatedKey } from '../../../src/keys/service.ts';
+import { parseMetrics } from '../../helpers/metrics.ts';
 import { call } from './client.ts';
 import { errorShapeProblem, preview } from './contract.ts';
 import { CONTENT_MARKER, privateContent } from './run.ts';
@@ -736,16 +737,9 @@ export function machineCpuSeconds(): { busy: number; all: number } {
   return { busy: (all - values[3]! - values[4]!) / ticksPerSecond, all: all / ticksPerSecond };
 }
 
-/** Prometheus text, as a map from "name{labels}" to value (comments dropped). */
+/** A process's /metrics, as a map from "name{labels}" to value. */
 export async function scrape(url: string): Promise<Map<string, number>> {
-  const text = await (await fetch(url, { signal: AbortSignal.timeout(5_000) })).text();
-  const values = new Map<string, number>();
-  for (const line of text.split('\n')) {
-    if (line === '' || line.startsWith('#')) continue;
-    const space = line.lastIndexOf(' ');
-    values.set(line.slice(0, space), Number(line.slice(space + 1)));
-  }
-  return values;
+  return parseMetrics(await (await fetch(url, { signal: AbortSignal.timeout(5_000) })).text());
 }
 
 /** The sum of the series of a metric whose labels include all of `labels`. */
