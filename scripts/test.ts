@@ -4,29 +4,21 @@
 import { spawn } from 'node:child_process';
 import { existsSync, statSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
+import os from 'node:os';
 import path from 'node:path';
 import pg from 'pg';
 import { loadConfig } from '../src/config.ts';
-import { startEmbeddedPostgres } from '../src/db/embedded.ts';
 import { migrate } from '../src/db/migrate.ts';
 import { createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
 import { urlForDatabase } from '../test/helpers/database.ts';
-import { freePort } from './ports.ts';
+import { scriptPostgres } from './scratch-postgres.ts';
 
 const config = loadConfig();
 const logger = createLogger({ logLevel: 'warn' }, process.stderr);
 
-const cluster =
-  config.databaseUrl === undefined
-    ? await startEmbeddedPostgres({
-        directory: path.join(config.dataDir, 'test-postgres'),
-        port: await freePort(),
-        logger,
-        durable: false,
-      })
-    : undefined;
-const adminUrl = config.databaseUrl ?? cluster!.url;
+const server = await scriptPostgres(config, logger);
+const { adminUrl } = server;
 const template = `gateway_test_template_${randomBytes(4).toString('hex')}`;
 
 let exitCode = 1;
@@ -38,12 +30,16 @@ try {
   exitCode = await runTap(process.argv.slice(2).map(testFilesOf), {
     GATEWAY_TEST_ADMIN_URL: adminUrl,
     GATEWAY_TEST_TEMPLATE: template,
+    // Every test file, gateway process and command the suite starts (hundreds of them) strips
+    // the types of the same sources; Node's compile cache keeps the result, and the bytecode,
+    // for the next one. Node checks each entry against the source it was made from.
+    NODE_COMPILE_CACHE: process.env.NODE_COMPILE_CACHE ?? path.join(os.tmpdir(), 'node-compile-cache'),
   });
 } finally {
   await withClient(adminUrl, (client) => client.query(`drop database if exists ${template}`)).catch((error) =>
     logger.warn({ err: error }, 'could not drop the template database'),
   );
-  await cluster?.stop();
+  await server.stop();
 }
 process.exit(exitCode);
 

@@ -103,6 +103,7 @@ const Environment = v.object({
 
   RATE_LIMIT_RPS: optionalInteger('RATE_LIMIT_RPS', 1),
   LOOKUP_RATE_LIMIT_RPS: optionalInteger('LOOKUP_RATE_LIMIT_RPS', 1),
+  RATE_LIMIT_BYTES_PER_SECOND: optionalInteger('RATE_LIMIT_BYTES_PER_SECOND', 1024),
   MAX_UNFINISHED_PER_PROJECT: optionalInteger('MAX_UNFINISHED_PER_PROJECT', 1),
 
   REQUEST_DEADLINE: v.optional(Deadline('REQUEST_DEADLINE'), '24h'),
@@ -181,6 +182,8 @@ export interface Config {
   /** Intake limits per API key (undefined: none): submissions per second (burst twice that), and lookups. */
   readonly rateLimitRps: number | undefined;
   readonly lookupRateLimitRps: number | undefined;
+  /** Request body bytes per second per API key (undefined: no limit); bursts of twice that, or MAX_BODY_BYTES if more. */
+  readonly rateLimitBytesPerSecond: number | undefined;
   /** Requests of a project and mode not yet finished, at most (undefined: no limit). */
   readonly maxUnfinishedPerProject: number | undefined;
 
@@ -281,6 +284,7 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     pruneIdleQueuesAfterMs: e.PRUNE_IDLE_QUEUES_AFTER,
     rateLimitRps: e.RATE_LIMIT_RPS,
     lookupRateLimitRps: e.LOOKUP_RATE_LIMIT_RPS ?? (e.RATE_LIMIT_RPS === undefined ? undefined : 10 * e.RATE_LIMIT_RPS),
+    rateLimitBytesPerSecond: e.RATE_LIMIT_BYTES_PER_SECOND,
     maxUnfinishedPerProject: e.MAX_UNFINISHED_PER_PROJECT,
     webhooks: Object.freeze({
       allowPrivate: e.WEBHOOK_ALLOW_PRIVATE === 'true',

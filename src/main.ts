@@ -28,7 +28,7 @@ import { QueueRouter } from './lanes/routing.ts';
 import { intakeLimitsFor, NO_INTAKE_LIMITS } from './requests/intake.ts';
 import { stopOnSignals } from './signals.ts';
 import { createAttempts } from './worker/attempts.ts';
-import { Dispatcher } from './worker/dispatcher.ts';
+import { Dispatcher, OWN_DISPATCH_FALLBACK_MS } from './worker/dispatcher.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 import { WebhookDeliverer } from './webhooks/deliverer.ts';
 import { oldestUnfinishedMessageAge } from './webhooks/repository.ts';
@@ -115,8 +115,9 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
             metrics,
             listener,
             shutdown,
-            // In the same process, waiters hear of a completion at once, before the NOTIFY arrives.
-            onFinished: (id) => waiters?.wake([id]),
+            // In the same process, waiters hear of a completion at once, before the NOTIFY arrives,
+            // and with its result: they answer without reading it back.
+            onFinished: (id, result) => (result === undefined ? waiters?.wake([id]) : waiters?.completed(id, result)),
           });
     if (role !== 'worker') {
       const apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
@@ -145,7 +146,12 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         config,
         pool: apiPool,
         db,
-        inserts: new InsertBatcher(db, { maxInFlight: 2, onGroup: (size) => metrics.insertGroupSize.observe(size) }),
+        inserts: new InsertBatcher(db, {
+          maxInFlight: 2,
+          onGroup: (size) => metrics.insertGroupSize.observe(size),
+          // This process's dispatcher takes what it accepts at once; the jobs are its fallback.
+          ...(dispatcher ? { dispatchDelayMs: OWN_DISPATCH_FALLBACK_MS } : {}),
+        }),
         reads: createRequestReads(db),
         waiters,
         keys,
@@ -194,7 +200,7 @@ function buildWorkerSide(parts: {
   metrics: Metrics;
   listener: Listener;
   shutdown: Shutdown;
-  onFinished: (id: string) => void;
+  onFinished: (id: string, result: string | undefined) => void;
 }) {
   const { options, metrics, listener, shutdown, onFinished } = parts;
   const { config, logger } = options;

@@ -87,7 +87,7 @@ export class Metrics {
 
   readonly intakeRefused = new client.Counter({
     name: `${PREFIX}intake_refused_total`,
-    help: 'Requests refused with 429 by the intake limits, by mode and limit (rate, lookup_rate, unfinished).',
+    help: 'Requests refused with 429 by the intake limits, by mode and limit (rate, bytes_rate, lookup_rate, unfinished).',
     labelNames: ['mode', 'limit'] as const,
     registers: [this.registry],
   });

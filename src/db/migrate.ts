@@ -10,8 +10,10 @@
 import { createHash } from 'node:crypto';
 import { readdir, readFile } from 'node:fs/promises';
 import { runMigrations } from 'graphile-worker';
+import type { Selectable } from 'kysely';
 import type pg from 'pg';
 import type { Logger } from '../logger.ts';
+import type { Database } from './database.ts';
 import { graphileLogger } from './graphile-logger.ts';
 import { SCHEMA } from './pool.ts';
 
@@ -19,6 +21,9 @@ const SQL_DIR = new URL('../../sql/', import.meta.url);
 const MIGRATION_FILE = /^(\d{6})\.sql$/;
 // pg_advisory_lock key for "gateway migrate": an arbitrary constant, fixed forever.
 const MIGRATION_LOCK = 7_242_318_001;
+
+/** What is read of gateway.migrations to compare with the files. */
+type Applied = Pick<Selectable<Database['migrations']>, 'id' | 'sha256'>;
 
 export interface Migration {
   id: number;
@@ -95,7 +100,7 @@ export async function migrate(pool: pg.Pool, logger: Logger, source: MigrationSo
         `comment on column ${SCHEMA}.migrations.sha256 is 'SHA-256 of the file as applied (or as first seen, for files applied before hashes were recorded).'`,
       );
       const applied = new Map(
-        (await client.query<{ id: number; sha256: Buffer | null }>(`select id, sha256 from ${SCHEMA}.migrations`)).rows.map(
+        (await client.query<Applied>(`select id, sha256 from ${SCHEMA}.migrations`)).rows.map(
           (row) => [row.id, row.sha256],
         ),
       );
@@ -175,7 +180,7 @@ export async function assertMigrationsUnchanged(pool: pg.Pool, source: Migration
     `select from information_schema.columns where table_schema = '${SCHEMA}' and table_name = 'migrations' and column_name = 'sha256'`,
   );
   if (columns.length === 0) return;
-  const { rows } = await pool.query<{ id: number; sha256: Buffer | null }>(`select id, sha256 from ${SCHEMA}.migrations`);
+  const { rows } = await pool.query<Applied>(`select id, sha256 from ${SCHEMA}.migrations`);
   const changed = changedMigration(await listMigrations(source), new Map(rows.map((row) => [row.id, row.sha256])));
   if (changed) throw new MigrationChangedError(changed.file);
 }

@@ -1,7 +1,8 @@
 // createApp(deps): the whole HTTP API as a Koa app, serving the parts it is given (main.ts
 // builds them and stops them); it does not listen, so a test can call app.callback() directly.
 // Per route, the steps are:
-//   authenticate (bearer key) -> readBody (size, media type) -> verify signature -> handler
+//   authenticate (bearer key) -> [submissions: intake limits] -> readBody (size, media type)
+//   -> verify signature -> handler
 // createOpsApp(deps): what a worker-only process serves on PORT: health (and metrics, as below).
 // createMetricsApp(deps): GET /metrics alone, on METRICS_PORT.
 //
@@ -19,6 +20,7 @@ import type { Metrics } from '../metrics.ts';
 import { errorSummary } from '../db/pool.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import type { KeyReads } from '../keys/reads.ts';
+import type { Intake } from '../requests/intake.ts';
 import type { RequestDeps } from '../requests/service.ts';
 import { authenticate } from './auth.ts';
 import { noBody, readBody } from './body.ts';
@@ -58,7 +60,7 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
 
   router.post(
     '/v1/chat/completions',
-    route([authenticated, readBody(deps.config.maxBodyBytes), signed], createCompletion(deps)),
+    route([authenticated, intakeFirst(deps.intake), readBody(deps.config.maxBodyBytes), signed], createCompletion(deps)),
   );
   router.get('/v1/requests/:id', route([authenticated, signed], getRequest(deps)));
   router.post('/v1/requests/:id/cancel', route([authenticated, noBody(), signed], cancelRequest(deps)));
@@ -96,6 +98,15 @@ function finish(app: Koa<GatewayState>, router: Router<GatewayState>): Koa<Gatew
   app.use(router.routes());
   app.use(router.allowedMethods({ throw: true, methodNotAllowed, notImplemented: methodNotAllowed }));
   return app;
+}
+
+/**
+ * The intake limits of a submission, checked before its body is read with the size its
+ * Content-Length announces: a submission they refuse costs no reading, parsing or hashing. The
+ * handler checks them again, and counts the submission, once the body is valid.
+ */
+function intakeFirst(intake: Intake): Step {
+  return (ctx) => intake.checkSubmission(ctx.state.auth, Number(ctx.get('content-length')) || 0);
 }
 
 /** Runs a route's steps in order, then its handler. */

@@ -1,19 +1,13 @@
 // SQL of `gateway keys reencrypt`: the encrypted secrets read in batches along their primary
 // key, and written back only where they are still what was read (a compare-and-set), so that
 // the command can run beside the gateway, and twice, and never overwrite a newer secret.
-import { sql } from 'kysely';
+import { sql, type Selectable } from 'kysely';
+import type { Database } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 
-export interface SealedSigningSecret {
-  id: string;
-  signing_secret_ciphertext: Buffer;
-}
+export type SealedSigningSecret = Pick<Selectable<Database['api_keys']>, 'id' | 'signing_secret_ciphertext'>;
 
-export interface SealedWebhookSecrets {
-  id: string;
-  secret_ciphertext: Buffer;
-  previous_secret_ciphertext: Buffer | null;
-}
+export type SealedWebhookSecrets = Pick<Selectable<Database['webhook_endpoints']>, 'id' | 'secret_ciphertext' | 'previous_secret_ciphertext'>;
 
 /** A signing secret to write: the ciphertext read, and the one to put in its place. */
 export interface SigningSecretChange {
@@ -47,7 +41,7 @@ export async function replaceSigningSecrets(
   db: Db,
   changes: SigningSecretChange[],
 ): Promise<Set<string>> {
-  const { rows } = await sql<{ id: string }>`
+  const { rows } = await sql<Pick<SealedSigningSecret, 'id'>>`
     update gateway.api_keys as keys
     set signing_secret_ciphertext = changes.sealed
     from unnest(
@@ -82,7 +76,7 @@ export async function replaceWebhookSecrets(
   db: Db,
   changes: WebhookSecretsChange[],
 ): Promise<Set<string>> {
-  const { rows } = await sql<{ id: string }>`
+  const { rows } = await sql<Pick<SealedWebhookSecrets, 'id'>>`
     update gateway.webhook_endpoints as endpoints
     set secret_ciphertext = changes.sealed, previous_secret_ciphertext = changes.sealed_previous
     from unnest(

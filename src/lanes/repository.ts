@@ -1,7 +1,8 @@
 // SQL for queues and lanes (sql/000008.sql, sql/000012.sql): a model's queue, where its requests
 // wait; its deployments' lanes; starting attempts on them within their health and limits
 // (gateway.claim_queue); and the lanes' state for operators.
-import { sql } from 'kysely';
+import { sql, type Selectable } from 'kysely';
+import type { Database } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { DISPATCH_QUEUE } from './jobs.ts';
@@ -26,7 +27,7 @@ export const PATTERN_QUEUES_LOCK = 7_242_318_002;
  * use is recorded (queues.used_at), which keeps it from being pruned for a while.
  */
 export async function ensureQueue(db: Db, key: QueueKey): Promise<string> {
-  const { rows } = await sql<{ id: string }>`
+  const { rows } = await sql<Pick<Selectable<Database['queues']>, 'id'>>`
     insert into gateway.queues (mode, model) values (${key.mode}, ${key.model})
     on conflict (mode, model) do update set used_at = now()
     returning id
@@ -36,7 +37,7 @@ export async function ensureQueue(db: Db, key: QueueKey): Promise<string> {
 
 /** The queue's id, its use recorded (queues.used_at); undefined when it has no row. */
 export async function useQueue(db: Db, key: QueueKey): Promise<string | undefined> {
-  const { rows } = await sql<{ id: string }>`
+  const { rows } = await sql<Pick<Selectable<Database['queues']>, 'id'>>`
     update gateway.queues set used_at = now() where mode = ${key.mode} and model = ${key.model} returning id
   `.execute(db);
   return rows[0]?.id;
@@ -85,7 +86,7 @@ export async function findLaneQueue(db: Db, laneId: string): Promise<string | un
  */
 export async function ensureLanes(db: Db, queue: Queue, upstreams: readonly string[]): Promise<string[]> {
   if (upstreams.length === 0) return [];
-  const { rows } = await sql<{ id: string; upstream: string }>`
+  const { rows } = await sql<Pick<Selectable<Database['lanes']>, 'id' | 'upstream'>>`
     insert into gateway.lanes (mode, upstream, model, queue_id, deployment)
     select ${queue.mode}, upstream, ${queue.model}, ${queue.id}::bigint, deployment
     from unnest(${upstreams}::text[]) with ordinality as listed(upstream, deployment)
@@ -138,6 +139,14 @@ export const LANE_PACING = Object.freeze({ pace: 0.95, burstSeconds: 0.9 });
 /**
  * Starts up to `max` attempts of the queue for `workerId` on its lanes, the first preferred,
  * each within its health and limits, in the projects' turns.
+ *
+ * The claim's transaction commits without waiting for its WAL to reach the disk
+ * (synchronous_commit off for it alone): nobody is told of a claim, the worker only calls the
+ * upstream, and the commit that records the call's outcome waits for the flush, which takes the
+ * claim's WAL with it (the log is written in order). Only a crash of Postgres in the moment
+ * between can lose a claim; its request is then waiting again, the outcome's recording finds its
+ * attempt gone (stale), and the request is called again, as after a worker lost. Run on the pool,
+ * not in a caller's transaction, which would commit so too.
  */
 export async function claimQueue(
   db: Db,
@@ -164,6 +173,7 @@ export async function claimQueue(
                              ${limit((limits) => limits.requestsPerMinute)}::int[],
                              ${limit((limits) => limits.tokensPerMinute)}::int[],
                              ${LANE_PACING.pace}::float8, ${LANE_PACING.burstSeconds}::float8)
+    cross join (select set_config('synchronous_commit', 'off', true)) as commit_without_flush
   `.execute(db);
   const summary = rows.at(-1)!;
   return {

@@ -24,6 +24,11 @@ export interface InsertBatcherOptions {
   maxInFlight?: number;
   maxBatch?: number;
   onGroup?: (size: number) => void;
+  /**
+   * How long the dispatch jobs of the requests wait before they are due (0: not at all): set
+   * where the process dispatches what it accepts itself, and the jobs are only its fallback.
+   */
+  dispatchDelayMs?: number;
 }
 
 export class InsertBatcher {
@@ -32,7 +37,7 @@ export class InsertBatcher {
 
   constructor(db: Db, options: InsertBatcherOptions = {}) {
     const batcher = (maxInFlight: number) =>
-      new Batcher<Item, InsertResult>((items) => writeGroup(db, items), {
+      new Batcher<Item, InsertResult>((items) => writeGroup(db, items, options.dispatchDelayMs ?? 0), {
         maxInFlight,
         maxBatch: options.maxBatch ?? 500,
         maxBytes: { max: GROUP_BYTES, sizeOf: (item) => Buffer.byteLength(item.request.body) },
@@ -56,7 +61,7 @@ export class InsertBatcher {
   }
 }
 
-function writeGroup(db: Db, items: Item[]): Promise<InsertResult[]> {
+function writeGroup(db: Db, items: Item[], dispatchDelayMs: number): Promise<InsertResult[]> {
   const nonceKey = (item: Item) => item.nonce && `${item.nonce.api_key_id}\n${item.nonce.nonce}`;
-  return writeFirsts(items, nonceKey, (firsts) => insertRequests(db, firsts), { kind: 'replayed_nonce' });
+  return writeFirsts(items, nonceKey, (firsts) => insertRequests(db, firsts, dispatchDelayMs), { kind: 'replayed_nonce' });
 }

@@ -44,34 +44,15 @@ export type InsertResult =
  * were signed, and the requests whose nonce was new (or that had none), each in its queue.
  * One add_jobs call wakes each queue of the group (graphile-worker's NOTIFY, taken once per
  * commit, is what limits one-request transactions), unless the queue waits for its lanes anyway
- * and has its dispatch scheduled (queues.wake_at). A nonce and its request are stored together or
- * not at all. Returns one result per item, in order.
+ * and has its dispatch scheduled (queues.wake_at). The jobs are due `dispatchDelayMs` from now: at
+ * once, unless the caller dispatches the requests itself and they are only its fallback. A nonce
+ * and its request are stored together or not at all. Returns one result per item, in order.
  */
-export async function insertRequests(
-  db: Db,
-  items: readonly { request: NewRequest; nonce: Nonce | undefined }[],
-): Promise<InsertResult[]> {
-  const column = <T>(pick: (item: (typeof items)[number]) => T) => items.map(pick);
+export async function insertRequests(db: Db, items: readonly Item[], dispatchDelayMs = 0): Promise<InsertResult[]> {
   const { rows } = await sql<
     { ord: string; nonce_accepted: boolean } & Nullable<Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>>
   >`
-    with input as (
-      select * from unnest(
-        ${column((i) => i.request.id)}::text[],
-        ${column((i) => i.request.project_id)}::bigint[],
-        ${column((i) => i.request.mode)}::text[],
-        ${column((i) => i.request.api_key_id)}::text[],
-        ${column((i) => i.request.model)}::text[],
-        ${column((i) => i.request.body)}::text[],
-        ${column((i) => i.request.body_sha256)}::bytea[],
-        ${column((i) => i.request.idempotency_key)}::text[],
-        ${column((i) => i.request.queue_id)}::bigint[],
-        ${column((i) => i.request.prompt_tokens_estimate)}::int[],
-        ${column((i) => i.request.deadline_ms)}::float8[],
-        ${column((i) => i.nonce?.nonce ?? null)}::text[]
-      ) with ordinality as t(id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key,
-                              queue_id, prompt_tokens_estimate, deadline_ms, nonce, ord)
-    ), nonces as (
+    with input as (${inputRows(items)}), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
       select api_key_id, nonce, now() + ${NONCE_KEPT_SECONDS} * interval '1 second' from input where nonce is not null
       on conflict do nothing
@@ -95,7 +76,8 @@ export async function insertRequests(
     ), jobs as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
-        select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null, null, null, null, null, null)::graphile_worker.job_spec
+        select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null,
+                   now() + ${dispatchDelayMs}::float8 * interval '1 millisecond', null, null, null, null)::graphile_worker.job_spec
         from woken
       ))
       where exists (select from woken)
@@ -122,6 +104,39 @@ export async function insertRequests(
       },
     };
   });
+}
+
+type Item = { request: NewRequest; nonce: Nonce | undefined };
+
+/** The columns of the statement's input, each with its type and where an item has it. */
+const INPUT_COLUMNS: readonly (readonly [name: string, type: string, pick: (item: Item) => unknown])[] = [
+  ['id', 'text', (i) => i.request.id],
+  ['project_id', 'bigint', (i) => i.request.project_id],
+  ['mode', 'text', (i) => i.request.mode],
+  ['api_key_id', 'text', (i) => i.request.api_key_id],
+  ['model', 'text', (i) => i.request.model],
+  ['body', 'text', (i) => i.request.body],
+  ['body_sha256', 'bytea', (i) => i.request.body_sha256],
+  ['idempotency_key', 'text', (i) => i.request.idempotency_key],
+  ['queue_id', 'bigint', (i) => i.request.queue_id],
+  ['prompt_tokens_estimate', 'int', (i) => i.request.prompt_tokens_estimate],
+  ['deadline_ms', 'float8', (i) => i.request.deadline_ms],
+  ['nonce', 'text', (i) => i.nonce?.nonce ?? null],
+];
+
+/**
+ * The items as rows (with their position, ord): a group as one array per column, unnested; a
+ * single item as plain parameters. A large body goes alone (insert-batcher.ts), and as a plain
+ * parameter Postgres takes its text as it is, where in an array literal both sides would escape
+ * and parse every byte of it.
+ */
+function inputRows(items: readonly Item[]) {
+  if (items.length === 1) {
+    const item = items[0]!;
+    return sql`select ${sql.join(INPUT_COLUMNS.map(([name, type, pick]) => sql`${pick(item)}::${sql.raw(type)} as ${sql.id(name)}`))}, 1::bigint as ord`;
+  }
+  return sql`select * from unnest(${sql.join(INPUT_COLUMNS.map(([, type, pick]) => sql`${items.map(pick)}::${sql.raw(type)}[]`))})
+    with ordinality as t(${sql.join(INPUT_COLUMNS.map(([name]) => sql.id(name)))}, ord)`;
 }
 
 /**

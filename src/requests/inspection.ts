@@ -2,7 +2,7 @@
 // attempt_history), read by `gateway requests` and `gateway stats` (and by psql users
 // directly), and the queue that the metrics show (metrics.ts).
 import { sql, type Selectable } from 'kysely';
-import type { RequestsTable, RequestStatus } from '../db/database.ts';
+import type { Database, RequestsTable, RequestStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 
@@ -90,7 +90,7 @@ export async function stats(db: Db) {
     sql<{ error_code: string; mode: KeyMode; failed_attempts: string; requests: string; last_seen_at: Date }>`
       select * from gateway.recent_errors order by failed_attempts desc, error_code
     `.execute(db),
-    sql<{ id: string; kind: string; hostname: string; pid: number; started_at: Date; last_seen_at: Date }>`
+    sql<Selectable<Database['worker_pools']> & { kind: 'pool' | 'worker' }>`
       select id, case when id like 'pool-%' then 'pool' else 'worker' end as kind, hostname, pid, started_at, last_seen_at
       from gateway.worker_pools order by hostname, pid, kind desc
     `.execute(db),

@@ -2,15 +2,16 @@
 // on a request's path: each process's admissions per key in gateway.intake_counters, and the
 // unfinished requests of the projects it sees.
 import { sql } from 'kysely';
+import type { IntakeKind } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 
-export type IntakeKind = 'submit' | 'lookup';
+export type { IntakeKind };
 
 export interface AdmittedCount {
   apiKeyId: string;
   kind: IntakeKind;
-  /** Admitted by this process since its last report (0: nothing to add). */
+  /** Admitted by this process since its last report (0: nothing to add): requests, or bytes. */
   admitted: number;
 }
 

@@ -1,7 +1,10 @@
-// Intake limits (docs/lanes.md, "Intake limits"): RATE_LIMIT_RPS per API key (lookups apart,
-// with their own limit: key-rates.ts) and MAX_UNFINISHED_PER_PROJECT (unfinished-counts.ts).
-// Beyond either, a 429 with retry-after, and nothing stored. Each limit is decided in the API
-// process from its own state, synchronised with the other processes' in the background.
+// Intake limits (docs/lanes.md, "Intake limits"): RATE_LIMIT_RPS and RATE_LIMIT_BYTES_PER_SECOND
+// per API key (lookups apart, with their own limit: key-rates.ts) and MAX_UNFINISHED_PER_PROJECT
+// (unfinished-counts.ts). Beyond any, a 429 with retry-after, and nothing stored. Each limit is
+// decided in the API process from its own state, synchronised with the other processes' in the
+// background. A submission is checked twice: before its body is read (checkSubmission, with the
+// size its Content-Length announces), so that a refused one costs no reading nor parsing, and
+// once it is valid (admitSubmission), which counts it.
 import { hostname } from 'node:os';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
@@ -9,25 +12,37 @@ import type { ApiError } from '../errors.ts';
 import { randomBase62, type KeyMode } from '../ids.ts';
 import type { Auth } from '../keys/auth.ts';
 import type { Logger } from '../logger.ts';
-import { KeyRates } from './key-rates.ts';
+import { KeyRates, type KindLimit } from './key-rates.ts';
 import { UnfinishedCounts } from './unfinished-counts.ts';
 
 export interface Intake {
-  /** Throws the 429 when the key is over its rate, or its project and mode has too many unfinished requests. */
-  admitSubmission(auth: Auth): void;
+  /**
+   * Throws the 429 that admitSubmission would for a body of `bodyBytes` (what Content-Length
+   * announces; 0 when it is not known yet), and counts nothing.
+   */
+  checkSubmission(auth: Auth, bodyBytes: number): void;
+  /**
+   * Throws the 429 when the key is over its rate or its byte rate, or its project and mode has
+   * too many unfinished requests; else counts the submission and its body's bytes.
+   */
+  admitSubmission(auth: Auth, bodyBytes: number): void;
   /** Throws the 429 when the key is over its lookup rate. */
   admitLookup(auth: Auth): void;
 }
 
 /** The intake of a gateway that sets no limit: everything is admitted. */
 export const NO_INTAKE_LIMITS: Intake = Object.freeze({
+  checkSubmission: () => {},
   admitSubmission: () => {},
   admitLookup: () => {},
 });
 
-export type IntakeLimit = 'rate' | 'lookup_rate' | 'unfinished';
+export type IntakeLimit = 'rate' | 'lookup_rate' | 'bytes_rate' | 'unfinished';
 
-export type IntakeConfig = Pick<Config, 'rateLimitRps' | 'lookupRateLimitRps' | 'maxUnfinishedPerProject'>;
+export type IntakeConfig = Pick<
+  Config,
+  'rateLimitRps' | 'lookupRateLimitRps' | 'rateLimitBytesPerSecond' | 'maxUnfinishedPerProject' | 'maxBodyBytes'
+>;
 
 export interface IntakeOptions {
   logger?: Logger | undefined;
@@ -46,6 +61,7 @@ export function intakeLimitsFor(db: Db, config: IntakeConfig, options: IntakeOpt
   if (
     config.rateLimitRps === undefined &&
     config.lookupRateLimitRps === undefined &&
+    config.rateLimitBytesPerSecond === undefined &&
     config.maxUnfinishedPerProject === undefined
   ) {
     return undefined;
@@ -64,10 +80,17 @@ export class IntakeLimits implements Intake {
   constructor(db: Db, config: IntakeConfig, options: IntakeOptions = {}) {
     const syncMs = options.syncMs ?? DEFAULT_SYNC_MS;
     const shared = { syncMs, idleMs: IDLE_SYNCS * syncMs, logger: options.logger };
-    this.#rates =
-      config.rateLimitRps === undefined && config.lookupRateLimitRps === undefined
-        ? undefined
-        : new KeyRates(db, { submit: config.rateLimitRps, lookup: config.lookupRateLimitRps }, { ...shared, processId: this.processId });
+    const perSecond = (rate: number | undefined, burst: number): KindLimit | undefined =>
+      rate === undefined ? undefined : { perSecond: rate, burst };
+    const limits = {
+      submit: perSecond(config.rateLimitRps, 2 * (config.rateLimitRps ?? 0)),
+      lookup: perSecond(config.lookupRateLimitRps, 2 * (config.lookupRateLimitRps ?? 0)),
+      // A burst of two seconds' worth, and at least one body of the largest size allowed.
+      bytes: perSecond(config.rateLimitBytesPerSecond, Math.max(2 * (config.rateLimitBytesPerSecond ?? 0), config.maxBodyBytes)),
+    };
+    this.#rates = Object.values(limits).some((limit) => limit !== undefined)
+      ? new KeyRates(db, limits, { ...shared, processId: this.processId })
+      : undefined;
     this.#unfinished =
       config.maxUnfinishedPerProject === undefined
         ? undefined
@@ -80,14 +103,26 @@ export class IntakeLimits implements Intake {
     return (this.#rates?.size ?? 0) + (this.#unfinished?.size ?? 0);
   }
 
-  admitSubmission(auth: Auth): void {
-    // Both checked before either is counted: a request one limit refuses costs nothing of the other.
+  checkSubmission(auth: Auth, bodyBytes: number): void {
+    this.#checkSubmission(auth, bodyBytes);
+  }
+
+  admitSubmission(auth: Auth, bodyBytes: number): void {
+    // All checked before any is counted: a request one limit refuses costs nothing of the others.
+    const { requests, bytes, project } = this.#checkSubmission(auth, bodyBytes);
+    if (requests) this.#rates!.take(requests);
+    if (bytes) this.#rates!.take(bytes, bodyBytes);
+    if (project) this.#unfinished!.take(project);
+  }
+
+  #checkSubmission(auth: Auth, bodyBytes: number) {
     const rates = this.#rates;
     const unfinished = this.#unfinished;
-    const bucket = rates && this.#refusing(auth.mode, 'rate', () => rates.check('submit', auth.keyId));
-    const project = unfinished && this.#refusing(auth.mode, 'unfinished', () => unfinished.check(auth));
-    if (bucket) rates!.take(bucket);
-    if (project) unfinished!.take(project);
+    return {
+      requests: rates && this.#refusing(auth.mode, 'rate', () => rates.check('submit', auth.keyId)),
+      bytes: rates && bodyBytes > 0 ? this.#refusing(auth.mode, 'bytes_rate', () => rates.check('bytes', auth.keyId, bodyBytes)) : undefined,
+      project: unfinished && this.#refusing(auth.mode, 'unfinished', () => unfinished.check(auth)),
+    };
   }
 
   admitLookup(auth: Auth): void {

@@ -1,5 +1,5 @@
-// RATE_LIMIT_RPS and LOOKUP_RATE_LIMIT_RPS: a token bucket per API key and kind (submissions,
-// lookups), decided in the API process from its own state, which it brings in line with the
+// RATE_LIMIT_RPS, LOOKUP_RATE_LIMIT_RPS and RATE_LIMIT_BYTES_PER_SECOND: a token bucket per API
+// key and kind (submissions, lookups, body bytes), decided in the API process from its own state, which it brings in line with the
 // other processes' in the background, so that a request costs no database round trip and the
 // limit holds across processes approximately, lagging by one sync.
 //
@@ -24,7 +24,10 @@ const PRUNE_EVERY_MS = 10_000;
 
 export interface Bucket {
   readonly keyId: string;
-  /** Tokens: one per admission. Below zero when the other processes admitted more than this one knew. */
+  /**
+   * Tokens: one per admission (a byte of body per byte, for 'bytes'). Below zero when the other
+   * processes admitted more than this one knew.
+   */
   level: number;
   /** When `level` was last refilled (performance.now()). */
   at: number;
@@ -37,17 +40,23 @@ export interface Bucket {
   activeAt: number;
 }
 
-/** The token buckets of one kind of request, one per key: rate per second, capacity twice that. */
+/** A limit of one kind: tokens added per second, and how many a full bucket holds. */
+export interface KindLimit {
+  perSecond: number;
+  burst: number;
+}
+
+/** The token buckets of one kind of request, one per key. */
 class RateLimit {
   readonly buckets = new Map<string, Bucket>();
   readonly kind: IntakeKind;
   readonly rate: number;
   readonly capacity: number;
 
-  constructor(kind: IntakeKind, rate: number) {
+  constructor(kind: IntakeKind, limit: KindLimit) {
     this.kind = kind;
-    this.rate = rate;
-    this.capacity = 2 * rate;
+    this.rate = limit.perSecond;
+    this.capacity = limit.burst;
   }
 
   refill(bucket: Bucket, now: number): void {
@@ -55,19 +64,19 @@ class RateLimit {
     bucket.at = now;
   }
 
-  /** Whole seconds until the bucket holds a token again, at least 1. */
-  retryAfter(bucket: Bucket): number {
-    return Math.max(1, Math.ceil((1 - bucket.level) / this.rate));
+  /** Whole seconds until the bucket holds `cost` tokens again, at least 1. */
+  retryAfter(bucket: Bucket, cost: number): number {
+    return Math.max(1, Math.ceil((cost - bucket.level) / this.rate));
   }
 
-  refusal(bucket: Bucket): ApiError {
-    const retryAfter = this.retryAfter(bucket);
-    return rateLimitExceeded(
-      retryAfter,
-      this.kind === 'submit'
-        ? `This API key is over its rate limit of ${this.rate} requests per second; retry after ${retryAfter} s.`
-        : `This API key is over its lookup rate limit of ${this.rate} lookups per second; retry after ${retryAfter} s.`,
-    );
+  refusal(bucket: Bucket, cost: number): ApiError {
+    const retryAfter = this.retryAfter(bucket, cost);
+    const over = {
+      submit: `its rate limit of ${this.rate} requests per second`,
+      lookup: `its lookup rate limit of ${this.rate} lookups per second`,
+      bytes: `its rate limit of ${this.rate} body bytes per second`,
+    }[this.kind];
+    return rateLimitExceeded(retryAfter, `This API key is over ${over}; retry after ${retryAfter} s.`);
   }
 }
 
@@ -91,10 +100,10 @@ export class KeyRates {
   /** Whether this process has counters in the table (it deletes them when it stops). */
   #reported = false;
 
-  constructor(db: Db, rates: Partial<Record<IntakeKind, number | undefined>>, options: KeyRatesOptions) {
+  constructor(db: Db, limits: Partial<Record<IntakeKind, KindLimit | undefined>>, options: KeyRatesOptions) {
     this.#db = db;
     this.#limits = Object.fromEntries(
-      Object.entries(rates).flatMap(([kind, rate]) => (rate === undefined ? [] : [[kind, new RateLimit(kind as IntakeKind, rate)]])),
+      Object.entries(limits).flatMap(([kind, limit]) => (limit === undefined ? [] : [[kind, new RateLimit(kind as IntakeKind, limit)]])),
     );
     this.#processId = options.processId;
     this.#idleMs = options.idleMs;
@@ -111,8 +120,11 @@ export class KeyRates {
     return Object.values(this.#limits).reduce((size, limit) => size + limit.buckets.size, 0);
   }
 
-  /** The key's bucket of this kind, or the 429 when it holds no token; undefined when the kind is not limited. */
-  check(kind: IntakeKind, keyId: string): Bucket | undefined {
+  /**
+   * The key's bucket of this kind, or the 429 when it holds fewer than `cost` tokens; undefined
+   * when the kind is not limited. A cost above the bucket's capacity is asked for as the capacity.
+   */
+  check(kind: IntakeKind, keyId: string, cost = 1): Bucket | undefined {
     const limit = this.#limits[kind];
     if (!limit) return undefined;
     const now = performance.now();
@@ -124,14 +136,15 @@ export class KeyRates {
       limit.buckets.set(keyId, bucket);
       this.#loop.soon();
     }
-    if (bucket.level < 1) throw limit.refusal(bucket);
+    const needed = Math.min(cost, limit.capacity);
+    if (bucket.level < needed) throw limit.refusal(bucket, needed);
     return bucket;
   }
 
-  /** Takes the token check() found. */
-  take(bucket: Bucket): void {
-    bucket.level -= 1;
-    bucket.unreported++;
+  /** Takes the `cost` tokens check() found. */
+  take(bucket: Bucket, cost = 1): void {
+    bucket.level -= cost;
+    bucket.unreported += cost;
     bucket.activeAt = performance.now();
   }
 

@@ -42,6 +42,8 @@ export interface RequestDeps {
 export interface SubmitOptions {
   /** The verified signature of the request, whose nonce is recorded with it. */
   signature?: VerifiedSignature | undefined;
+  /** The size of the body as it was sent, which RATE_LIMIT_BYTES_PER_SECOND counts (else: the body stored). */
+  bodyBytes?: number | undefined;
 }
 
 export type SubmitOutcome =
@@ -73,7 +75,7 @@ export async function submit(
   options: SubmitOptions = {},
 ): Promise<SubmitOutcome | Waiting> {
   // The intake limits first: a refused request stores nothing, not even its model's queue.
-  deps.intake.admitSubmission(auth);
+  deps.intake.admitSubmission(auth, options.bodyBytes ?? Buffer.byteLength(submission.body));
   const routed = await deps.queues.route(auth.mode, submission);
   const id = newRequestId();
   // Watching before the row exists means its completion cannot slip past us.
@@ -195,6 +197,8 @@ async function waitForOutcome(
   }
 }
 
+const HANDED_OVER = Symbol('handed over');
+
 async function waitForTerminal(deps: RequestDeps, watch: Watch, answer: Answer, deadline: number): Promise<Answer> {
   let current = answer;
   while (!isTerminal(current.status)) {
@@ -202,17 +206,31 @@ async function waitForTerminal(deps: RequestDeps, watch: Watch, answer: Answer, 
     if (remaining <= 0) break;
     const event = await watch.next(remaining);
     if (event === 'aborted') break;
-    try {
-      const row = await deps.reads.submit(watch.id);
-      if (row) current = answerOf(row);
-    } catch (error) {
-      // The request is committed and its id is ours to give: a database outage during the
-      // wait must not turn that into an error. Keep polling; at worst answer what we know.
-      if (!isDatabaseUnavailable(error)) throw error;
-    }
+    if (event === 'completed') return completedWith(current, watch.result!);
+    // A worker of this process hands its result over a moment after its NOTIFY may have woken
+    // us: whichever of that and the read comes first answers.
+    const read = readRow(deps, watch.id);
+    read.catch(() => {}); // its failure is thrown below if it comes first
+    const row = await Promise.race([read, watch.handedOver().then((): typeof HANDED_OVER => HANDED_OVER)]);
+    if (row === HANDED_OVER) return completedWith(current, watch.result!);
+    if (row) current = row;
     if (event !== 'changed') break;
   }
   return current;
+}
+
+const completedWith = (answer: Answer, result: string): Answer => ({ ...answer, status: 'completed', result });
+
+async function readRow(deps: RequestDeps, id: string): Promise<Answer | undefined> {
+  try {
+    const row = await deps.reads.submit(id);
+    return row && answerOf(row);
+  } catch (error) {
+    // The request is committed and its id is ours to give: a database outage during the
+    // wait must not turn that into an error. Keep polling; at worst answer what we know.
+    if (!isDatabaseUnavailable(error)) throw error;
+    return undefined;
+  }
 }
 
 function outcomeOf(answer: Answer, replayed: boolean, wait: boolean): SubmitOutcome {

@@ -2,24 +2,36 @@
 //
 // The process's LISTEN connection (db/listener.ts) receives the ids that the
 // requests_notify_finished trigger publishes; a worker in the same process also reports its
-// own completions directly. The database stays the truth: a wake-up only tells a waiter to read
-// its row again. While the LISTEN connection is down, waiters re-read their rows on a short
-// interval instead, and every waiter re-reads once it is back, so no completion is missed.
+// own completions directly, with their results. The database stays the truth: a wake-up tells a
+// waiter to read its row again, and a result is handed over only once it is committed. While the
+// LISTEN connection is down, waiters re-read their rows on a short interval instead, and every
+// waiter re-reads once it is back, so no completion is missed.
 import type { Listener } from '../db/listener.ts';
 
 export const FINISHED_CHANNEL = 'gateway_requests_finished';
 const POLL_WHILE_DISCONNECTED_MS = 500;
 
-/** changed: read the row again. timeout: the time given is over. aborted: the caller gave up. closed: shutting down. */
-export type WatchEvent = 'changed' | 'timeout' | 'aborted' | 'closed';
+/**
+ * changed: read the row again. completed: the request completed, with `Watch.result` (committed).
+ * timeout: the time given is over. aborted: the caller gave up. closed: shutting down.
+ */
+export type WatchEvent = 'changed' | 'completed' | 'timeout' | 'aborted' | 'closed';
 
 export interface Watch {
   readonly id: string;
+  /** The result the request completed with, once a 'completed' event has said so. */
+  readonly result: string | undefined;
   /**
    * Resolves at the next wake-up of this id (or at once if one came since the last call). A
    * call while the last one is still pending settles that one ('changed').
    */
   next(timeoutMs: number): Promise<WatchEvent>;
+  /**
+   * Resolves once a result is handed over (at once if one was): what a waiter reading its row
+   * races against, as a worker of this process hands the result over a moment after its NOTIFY
+   * may have arrived.
+   */
+  handedOver(): Promise<void>;
   /** The caller gave up (its client hung up): this wait, or the next, ends with 'aborted'. */
   abort(): void;
   /** Stops watching; call it in a finally block. */
@@ -76,6 +88,16 @@ export class Waiters {
     }
   }
 
+  /**
+   * This request completed with this result, committed: its waiters answer with it, without
+   * reading the row (a worker of this process tells them).
+   */
+  completed(id: string, result: string): void {
+    const entry = this.#subscribers.get(id);
+    if (entry === undefined) return;
+    for (const subscription of Array.isArray(entry) ? entry : [entry]) subscription.complete(result);
+  }
+
   /** Answers every waiter: they fall back to the acknowledgement. */
   close(): void {
     this.#closed = true;
@@ -113,12 +135,18 @@ class Subscription implements Watch {
   #pending = false;
   #aborted = false;
   #polling = false;
+  #result: string | undefined = undefined;
+  #handedOver: (() => void) | undefined = undefined;
   #resolve: ((event: WatchEvent) => void) | undefined = undefined;
   #timer: NodeJS.Timeout | undefined = undefined;
 
   constructor(id: string, waiters: Waiters) {
     this.id = id;
     this.#waiters = waiters;
+  }
+
+  get result(): string | undefined {
+    return this.#result;
   }
 
   next(timeoutMs: number): Promise<WatchEvent> {
@@ -129,7 +157,7 @@ class Subscription implements Watch {
     if (this.#aborted) return Promise.resolve('aborted');
     if (this.#pending) {
       this.#pending = false;
-      return Promise.resolve('changed');
+      return Promise.resolve(this.#result === undefined ? 'changed' : 'completed');
     }
     this.#polling = this.#waiters.polling && timeoutMs > POLL_WHILE_DISCONNECTED_MS;
     const sleepMs = this.#polling ? POLL_WHILE_DISCONNECTED_MS : timeoutMs;
@@ -141,7 +169,21 @@ class Subscription implements Watch {
 
   wake(event: WatchEvent): void {
     if (this.#resolve) this.#finish(event);
-    else if (event === 'changed') this.#pending = true;
+    else if (event === 'changed' || event === 'completed') this.#pending = true;
+  }
+
+  complete(result: string): void {
+    this.#result = result;
+    this.#handedOver?.();
+    this.#handedOver = undefined;
+    this.wake('completed');
+  }
+
+  handedOver(): Promise<void> {
+    if (this.#result !== undefined) return Promise.resolve();
+    return new Promise((resolve) => {
+      this.#handedOver = resolve;
+    });
   }
 
   abort(): void {
@@ -153,6 +195,7 @@ class Subscription implements Watch {
     if (this.#timer !== undefined) clearTimeout(this.#timer);
     this.#timer = undefined;
     this.#resolve = undefined;
+    this.#handedOver = undefined;
     this.#waiters.unsubscribe(this);
   }
 

@@ -38,8 +38,11 @@ export interface AttemptDeps {
   config: Pick<Config, 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs' | 'upstreamMaxResponseBytes' | 'upstreamAnswerMemoryBytes'>;
   metrics: Metrics;
   logger: Logger;
-  /** Called after a request reached completed or failed, to wake waiters in this process. */
-  onFinished?: (id: string) => void;
+  /**
+   * Called after a request reached completed (with its result, as committed) or failed, to
+   * answer the waiters in this process.
+   */
+  onFinished?: (id: string, result: string | undefined) => void;
 }
 
 /** Where an attempt's call goes: a lane's upstream, or the simulator for a test-mode lane. */
@@ -145,7 +148,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
           const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
           if (usage.prompt !== null) deps.metrics.tokens.inc({ ...labels, kind: 'prompt' }, usage.prompt);
           if (usage.completion !== null) deps.metrics.tokens.inc({ ...labels, kind: 'completion' }, usage.completion);
-          finished(started.id);
+          finished(started.id, outcome.result);
         }
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
       } else {
@@ -192,15 +195,15 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       ? { kind: 'retry', id, attempt, delayMs, unchargedDelayMs, pauseMs, fault, ...report }
       : { kind: 'failed', id, attempt, pauseMs, fault, ...report };
     const done = await record(finish, patienceMs);
-    if (done?.status === 'failed') finished(id);
+    if (done?.status === 'failed') finished(id, undefined);
     const fields = { requestId: id, attempt, code: failure.code, charged: done?.charged ?? null, stale: done === null };
     if (done?.status === 'retrying') log.info(fields, 'attempt failed; retry scheduled');
     else log.info(fields, 'attempt failed; request failed');
   }
 
-  function finished(id: string): void {
+  function finished(id: string, result: string | undefined): void {
     try {
-      deps.onFinished?.(id);
+      deps.onFinished?.(id, result);
     } catch (error) {
       // The outcome is committed; a failure to wake local waiters must not fail the attempt
       // (they also hear the NOTIFY).

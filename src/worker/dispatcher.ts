@@ -75,6 +75,14 @@ const START_SLICE = 50;
 const OUTAGE_PATIENCE_MS = 60_000;
 // How often the calls' requests are checked while their ends cannot be heard.
 const ENDED_POLL_MS = 1_000;
+/**
+ * How long the dispatch job of a request accepted by a process that dispatches it itself waits
+ * before it is due. The process claims the request at once (onStored); the job is there for when
+ * the process dies between the commit and the claim. Due later, it is fetched long after its
+ * request's claim, and its dispatch finds nothing to do, instead of being fetched and recorded
+ * (two commits, each waiting for its flush) beside the request's own claim.
+ */
+export const OWN_DISPATCH_FALLBACK_MS = 2_000;
 /** Routes of queues remembered at most (the least recently dispatched are read again when next needed). */
 export const QUEUE_ROUTES_REMEMBERED = 10_000;
 

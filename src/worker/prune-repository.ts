@@ -1,15 +1,10 @@
 // SQL of the pruning of queues (worker/prune.ts): a model's queue and its lanes, deleted once no
 // request refers to them and the queue has not been used for a while.
-import { sql } from 'kysely';
+import { sql, type Selectable } from 'kysely';
+import type { Database } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
-import type { KeyMode } from '../ids.ts';
 
-export interface PrunedQueue {
-  /** int8, as node-postgres returns it. */
-  id: string;
-  mode: KeyMode;
-  model: string;
-}
+export type PrunedQueue = Pick<Selectable<Database['queues']>, 'id' | 'mode' | 'model'>;
 
 // A queue no request refers to: neither through requests.queue_id nor through one of its lanes
 // (a request finished before queues existed names only its lane: requests_lane_before_queues).
@@ -35,7 +30,7 @@ const unreferenced = sql`
  */
 export async function pruneIdleQueues(db: Db, idleMs: number, limit: number): Promise<PrunedQueue[]> {
   return db.transaction().execute(async (tx) => {
-    const { rows: locked } = await sql<{ id: string }>`
+    const { rows: locked } = await sql<Pick<PrunedQueue, 'id'>>`
       select queues.id from gateway.queues
       where queues.used_at < now() - ${idleMs}::float8 * interval '1 millisecond' and ${unreferenced}
       order by queues.used_at

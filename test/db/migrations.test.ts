@@ -98,3 +98,31 @@ t.test('gateway migrate and a gateway process refuse a database that applied ano
   t.not(served.code, 0);
   t.match(served.output, /sql\/000007\.sql is not the file this database applied/);
 });
+
+t.test('000020: a database that ran 000015 in its first form (claim_queue with seven arguments) ends with the same function as a new one', async (t) => {
+  const pool = createPool(await emptyDatabase(t), { max: 2, applicationName: 'migrations-test', logger: silent });
+  t.teardown(() => pool.end());
+  const signatures = async (): Promise<string[]> =>
+    (
+      await pool.query<{ args: string }>(
+        `select pg_get_function_identity_arguments(oid) as args from pg_proc
+         where proname = 'claim_queue' and pronamespace = 'gateway'::regnamespace order by 1`,
+      )
+    ).rows.map((row) => row.args);
+  await migrate(pool, silent);
+  const fresh = await signatures();
+  t.equal(fresh.length, 1, 'a new database has one claim_queue');
+  t.match(fresh[0], /pace double precision, burst_seconds double precision$/);
+
+  // As a database that ran the first form of 000015 and not 000020: the seven-argument
+  // function alone.
+  await pool.query(`drop function gateway.claim_queue(${fresh[0]})`);
+  await pool.query(`
+    create function gateway.claim_queue(
+      claim_queue_id bigint, max_requests integer, claim_worker_id text, lane_ids bigint[],
+      limits_max_concurrent integer[], limits_requests_per_minute integer[], limits_tokens_per_minute integer[]
+    ) returns void language sql as 'select'`);
+  await pool.query('delete from gateway.migrations where id = 20');
+  await migrate(pool, silent);
+  t.same(await signatures(), fresh, 'after 000020 it has the nine-argument one only');
+});

@@ -9,8 +9,9 @@ import { randomInt } from 'node:crypto';
 import { isDeepStrictEqual } from 'node:util';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
-import { BEHAVIOURS, RETRYABLE, startChaosUpstream, type ChaosCall } from './support/chaos-upstream.ts';
+import { BEHAVIOURS, chaos, RETRYABLE, type ChaosCall } from './support/chaos.ts';
 import { inBatches } from '../helpers/concurrency.ts';
+import { startFakeUpstream } from '../helpers/upstream.ts';
 import { call, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { queueSummary, requestsWithAttempts, waitUntilTerminal, type RequestWithAttempts } from './support/rows.ts';
@@ -23,10 +24,11 @@ const UPSTREAM_TIMEOUT_MS = 1_500;
 t.test('1,000 requests against an upstream that fails at random: all end, each attempt with the code of what the upstream answered it', async (t) => {
   const seed = randomInt(2 ** 31);
   t.comment(`chaos seed ${seed}`);
-  const upstream = await startChaosUpstream(t, {
+  const script = chaos({
     seed,
     tagOf: (body) => /scenario 4 request (\d+) /.exec(body?.messages?.[0]?.content ?? '')?.[1] ?? 'unknown',
   });
+  const upstream = await startFakeUpstream(t, script.reply);
   const faults = await faultContext(t, '4-chaos-upstream');
   const env = {
     UPSTREAM_BASE_URL: upstream.baseUrl,
@@ -77,7 +79,7 @@ t.test('1,000 requests against an upstream that fails at random: all end, each a
   ids.forEach((id, i) => {
     const request = byId.get(id);
     if (!request) return problems.push(`request ${i} (${id}) is not stored`);
-    const checked = crossCheck(request, upstream.callsFor(String(i)));
+    const checked = crossCheck(request, script.callsFor(String(i)));
     late += checked.late;
     problems.push(...checked.problems.map((problem) => `request ${i} (${id}): ${problem}`));
   });
@@ -87,15 +89,15 @@ t.test('1,000 requests against an upstream that fails at random: all end, each a
   const changes = worker.entries().filter((line) => line.msg === 'lane health changed');
   t.comment(`the lane changed health ${changes.length} times; attempts charged: ${tally(requests.flatMap((request) => request.attempt_rows.map((attempt) => String(attempt.charged))))}`);
   t.equal(upstream.calls.length, requests.reduce((sum, request) => sum + request.attempts, 0), 'one upstream call per attempt, none after a request ended');
-  t.same(upstream.calls.filter((chaos) => chaos.tag === 'unknown').length, 0, 'every call was for one of the requests');
+  t.same(script.calls.filter((chaos) => chaos.tag === 'unknown').length, 0, 'every call was for one of the requests');
 
   t.same(
-    tally(upstream.calls.map((chaos) => String(chaos.authorization === `Bearer ${UPSTREAM_API_KEY}`))),
+    tally(upstream.calls.map((received) => String(received.headers.authorization === `Bearer ${UPSTREAM_API_KEY}`))),
     `true: ${upstream.calls.length}`,
     'every call carried UPSTREAM_API_KEY',
   );
   t.same(
-    upstream.calls.filter((chaos) => Object.keys(chaos.body).sort().join(',') !== 'messages,model,temperature').map((chaos) => Object.keys(chaos.body)).slice(0, 5),
+    upstream.calls.filter((received) => Object.keys(received.body).sort().join(',') !== 'messages,model,temperature').map((received) => Object.keys(received.body)).slice(0, 5),
     [],
     'and the body without wait, idempotency_key and stream',
   );
@@ -112,7 +114,7 @@ t.test('1,000 requests against an upstream that fails at random: all end, each a
     'every lookup answers the request as stored: status, attempts, last_error_code, result when completed',
   );
 
-  t.comment(`upstream calls: ${upstream.calls.length}: ${tally(upstream.calls.map((chaos) => chaos.behaviour))}`);
+  t.comment(`upstream calls: ${upstream.calls.length}: ${tally(script.calls.map((chaos) => chaos.behaviour))}`);
   t.comment(`requests: ${tally(requests.map((request) => request.status))}; attempts: ${tally(requests.map((request) => request.attempts))}`);
   t.comment(`failed with: ${tally(requests.filter((request) => request.status === 'failed').map((request) => request.last_error_code ?? 'null'))}`);
   t.comment(`completed after errors, last_error_code: ${tally(requests.filter((request) => request.status === 'completed' && request.last_error_code).map((request) => request.last_error_code!))}`);
@@ -126,15 +128,20 @@ function crossCheck(request: RequestWithAttempts, calls: ChaosCall[]): { problem
   const problems: string[] = [];
   let late = 0;
   const expected: (string | null)[] = calls.map((chaos) => BEHAVIOURS[chaos.behaviour].code);
-  const answered = calls.map((chaos) => `${chaos.behaviour}${chaos.status === null ? '' : ` ${chaos.status}`}`).join(', ');
+  const answered = calls.map((chaos) => `${chaos.behaviour}${chaos.received.status === undefined ? '' : ` ${chaos.received.status}`}`).join(', ');
   if (request.attempts !== calls.length) problems.push(`${request.attempts} attempts, but the upstream had ${calls.length} calls (${answered})`);
   request.attempt_rows.forEach((attempt, index) => {
     const chaos = calls[index];
     let code = expected[index];
     if (code === undefined || !chaos) return;
-    // This process answered after the gateway's timeout had passed (it was starved of CPU): what
-    // the gateway saw was no answer in time.
-    if (chaos.answeredAt >= attempt.started_at.getTime() + UPSTREAM_TIMEOUT_MS - 20) {
+    // This process answered after the gateway's timeout had passed (it was starved of CPU; the
+    // answer goes out as the call's body arrives): what the gateway saw was no answer in time.
+    // The gateway's timer starts with its call, which is after the attempt's started_at (the row
+    // is written first; on a busy machine, a second or more before) and before this process
+    // received the call. An answer sooner than the timeout counted from started_at was in time;
+    // a later one may have been, or not: the gateway alone knows which of the two it saw.
+    const lateFromStart = chaos.received.arrivedAt >= attempt.started_at.getTime() + UPSTREAM_TIMEOUT_MS - 20;
+    if (lateFromStart && attempt.error_code === 'upstream_timeout') {
       code = expected[index] = 'upstream_timeout';
       late += 1;
     }

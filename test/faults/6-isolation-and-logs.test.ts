@@ -76,9 +76,9 @@ t.test('cross-project and cross-mode reads of 100 ids are all 404 request_not_fo
 });
 
 t.test('the logs of every process the fault suite started hold no API key, signing secret, upstream key or message content', async (t) => {
-  // Every scenario searched its own logs when it ended; here they are searched all together,
-  // those of the scenarios that ran before this one (all of them when the suite runs in order)
-  // and this one's.
+  // Every scenario searched the run's logs when it ended; here they are searched all together
+  // once more: those of the scenarios that ran before this one or are running beside it, and
+  // this one's.
   const search = searchLogs(logFiles());
   t.comment(`searched ${search.files} log files: ${[...search.linesByScenario].map(([scenario, lines]) => `${scenario} ${lines} lines`).join(', ')}`);
   t.comment(`for ${search.secretsSearched} recorded API keys and signing secrets, the upstream key, and the marker every message content carries`);

@@ -4,7 +4,8 @@
 //
 // The attacks of A, each at a modest rate (support/neighbour.ts, ATTACK_RATES):
 //   big-prompts      10 prompts of 3 MB a second, live, on the model B uses (MAX_BODY_BYTES is
-//                    left at its default, 4 MiB: these are accepted, and stored);
+//                    left at its default, 4 MiB: what RATE_LIMIT_BYTES_PER_SECOND admits of them
+//                    is accepted, and stored);
 //   test-429         100 test-error-429 test requests a second (the simulator answers as a
 //                    provider's 429, every attempt);
 //   invented-models  400 live requests a second, each for a model name never seen before, served
@@ -33,6 +34,10 @@
 // The settings are those a careful operator of a gateway shared by several projects would set:
 //   RATE_LIMIT_RPS=20               per key: twice what B's keys send, so B never meets it (its
 //                                   burst is 40); each of A's keys is held to 20 a second;
+//   RATE_LIMIT_BYTES_PER_SECOND=1048576  per key: 1 MiB of prompts a second (bursts of MAX_BODY_BYTES,
+//                                   4 MiB), some 15 million tokens a minute; A's big prompts are
+//                                   held to it, refused from Content-Length before their bodies
+//                                   are read;
 //   MAX_UNFINISHED_PER_PROJECT=100  per project and mode: B has about 4 under way; A's test
 //                                   requests that retry (429s, backing off for seconds) pile up
 //                                   to this and no further;
@@ -122,6 +127,7 @@ const A_CONNECTIONS = Number(process.env.NEIGHBOUR_A_CONNECTIONS ?? 32);
 
 const SETTINGS: Record<string, string> = {
   RATE_LIMIT_RPS: '20',
+  RATE_LIMIT_BYTES_PER_SECOND: '1048576',
   MAX_UNFINISHED_PER_PROJECT: '100',
   MAX_PATTERN_MODELS: '200',
   RETRY_BASE_MS: '1000',

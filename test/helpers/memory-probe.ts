@@ -1,7 +1,7 @@
 // Loaded into a child process started with --expose-gc (`node --import`): on SIGUSR2 it collects
 // the garbage and prints the memory still in use (the JavaScript heap, and the buffers outside
 // it), for a test to bound what the process holds. readMemoryInUse reads it from the test.
-import type { ChildProcess } from 'node:child_process';
+import type { GatewayProcess } from './serve.ts';
 
 const LINE = 'memory-probe: in use=';
 
@@ -25,10 +25,11 @@ export const MEMORY_PROBE = {
  * Asks the child (started with MEMORY_PROBE) for its memory in use after a full collection, in
  * bytes: its heap's objects, and the buffers (ArrayBuffers) that they hold outside the heap.
  */
-export async function readMemoryInUse(child: ChildProcess, output: () => string, timeoutMs = 30_000): Promise<number> {
+export async function readMemoryInUse(child: GatewayProcess, timeoutMs = 30_000): Promise<number> {
+  const { output } = child;
   const count = () => output().split(LINE).length - 1;
   const before = count();
-  child.kill('SIGUSR2');
+  child.signal('SIGUSR2');
   const deadline = Date.now() + timeoutMs;
   while (count() === before) {
     if (Date.now() > deadline) throw new Error(`no memory reading from the child within ${timeoutMs} ms:\n${output().slice(-2_000)}`);

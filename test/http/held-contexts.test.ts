@@ -76,7 +76,7 @@ t.test(`${HELD} wait=true requests held at once: the API process keeps none of t
     const statuses = await Promise.all(Array.from({ length: 50 }, (_, i) => post(-(sent + i), false)));
     if (statuses.some((status) => status !== 202)) throw new Error(`warm-up answered ${statuses.join(', ')}`);
   }
-  const before = await readMemoryInUse(serve.child, serve.output);
+  const before = await readMemoryInUse(serve);
   const storedBefore = await stored();
 
   const started = performance.now();
@@ -90,7 +90,7 @@ t.test(`${HELD} wait=true requests held at once: the API process keeps none of t
   }
   // Stored is waiting: the answer's promise is set, and the chain ended, in the same turn.
   await new Promise((resolve) => setTimeout(resolve, 500));
-  const during = await readMemoryInUse(serve.child, serve.output);
+  const during = await readMemoryInUse(serve);
   const kept = (during - before) / HELD;
   t.comment(
     `${HELD} held in ${((performance.now() - started) / 1000).toFixed(1)} s; memory in use after a full collection ` +
@@ -99,9 +99,9 @@ t.test(`${HELD} wait=true requests held at once: the API process keeps none of t
   t.ok(kept < KEPT_BYTES_BOUND, `a held request keeps ${KiB(kept)}, under ${KiB(KEPT_BYTES_BOUND)}`);
 
   // The shutdown answers the waiting requests with their acknowledgement, outside Koa as ever.
-  serve.child.kill('SIGTERM');
+  const exited = serve.kill('SIGTERM');
   const statuses = await Promise.all(held.map((answer) => answer.catch(() => 0)));
   t.equal(statuses.filter((status) => status === 202).length, HELD, 'every held request is answered 202 at shutdown');
-  t.equal(await serve.exited, 0, 'and the API process exits cleanly');
+  t.equal((await exited)?.code, 0, 'and the API process exits cleanly');
   t.notMatch(serve.output(), /"level":(50|60)/, 'having logged no error');
 });

@@ -14,7 +14,7 @@ import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { createKnownKey } from '../helpers/keys.ts';
-import { startSilentProxy } from '../helpers/silent-proxy.ts';
+import { startTcpProxy } from '../helpers/tcp-proxy.ts';
 import { until } from '../helpers/wait.ts';
 
 async function killListener(gateway: TestGateway) {
@@ -72,7 +72,7 @@ t.test('a key revoked while the API\'s LISTEN connection is silent stops authent
   const databaseUrl = await createTestDatabase(t);
   // The API reaches Postgres through a proxy that can silence its LISTEN connection (as a NAT
   // that forgets the flow does); the revocation comes from another process, directly.
-  const proxy = await startSilentProxy(t, databaseUrl);
+  const proxy = await startTcpProxy(t, databaseUrl);
   const api = await startTestGateway(t, { role: 'api', databaseUrl: proxy.url });
   const admin = await startTestGateway(t, { role: 'api', databaseUrl });
   const key = await api.createKey();

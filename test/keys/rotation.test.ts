@@ -171,7 +171,7 @@ t.test('an API process whose keys decrypt no stored signing secret refuses to st
     const settings = serveSettings(setup, await freePort(), { SECRET_ENCRYPTION_KEY: wrongKey.toString('base64'), API_PROCESSES: processes });
     const serve = spawnServe(t, settings, ['--role', 'api']);
     // (A cluster whose primary did not check would replace its failing API processes for ever.)
-    const exit = await Promise.race([serve.exited, new Promise((resolve) => setTimeout(() => resolve('still running'), 20_000).unref())]);
+    const exit = await Promise.race([serve.exited().then((exited) => exited.code), new Promise((resolve) => setTimeout(() => resolve('still running'), 20_000).unref())]);
     t.equal(exit, 1, `API_PROCESSES=${processes}: exits 1`);
     t.match(serve.output(), message, `API_PROCESSES=${processes}: says why`);
     for (const secret of [wrongKey.toString('base64'), key.signing_secret]) t.notOk(serve.output().includes(secret), 'no key or secret in it');

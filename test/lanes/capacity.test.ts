@@ -4,11 +4,11 @@
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { startLimitedUpstream } from '../helpers/limited-upstream.ts';
+import { completionAfter, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 
 t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, charged nothing', async (t) => {
-  const upstream = await startLimitedUpstream(t, { delayMs: 300 });
+  const upstream = await startFakeUpstream(t, completionAfter(300));
   const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_IN_FLIGHT: '5' } });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const answers = await Promise.all(
@@ -21,7 +21,7 @@ t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, ch
 });
 
 t.test('MAX_IN_FLIGHT holds while many lanes are dispatched at once: their claims never take the same room twice', async (t) => {
-  const upstream = await startLimitedUpstream(t, { delayMs: 500 });
+  const upstream = await startFakeUpstream(t, completionAfter(500));
   const env = { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_IN_FLIGHT: '5', WORKER_CONCURRENCY: '16' };
   const api = await startTestGateway(t, { role: 'api', env });
   const client = clientFor(api.url, await api.createKey({ mode: 'live' }));
@@ -40,7 +40,7 @@ t.test('MAX_IN_FLIGHT holds while many lanes are dispatched at once: their claim
 });
 
 t.test('test traffic at full load leaves live latency unchanged', async (t) => {
-  const upstream = await startLimitedUpstream(t, { delayMs: 200 });
+  const upstream = await startFakeUpstream(t, completionAfter(200));
   const gateway = await startTestGateway(t, {
     env: { UPSTREAM_BASE_URL: upstream.baseUrl, TEST_MAX_IN_FLIGHT: '50', MAX_IN_FLIGHT: '50', UPSTREAM_TIMEOUT_MS: '10000' },
   });

@@ -1,4 +1,4 @@
-// Lanes against an upstream that enforces limits of its own (test/helpers/limited-upstream.ts),
+// Lanes against an upstream that enforces limits of its own (startFakeUpstream's `limits`),
 // with the same limits in UPSTREAMS_FILE, one API and two worker processes sharing a database:
 // the limits hold across both workers, a burst takes about the time the limits allow, projects
 // take turns, and a 429 silences the lane in both processes.
@@ -9,13 +9,15 @@ import t, { type Test } from 'tap';
 import type { CreatedKey } from '../../src/keys/service.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
-import { startLimitedUpstream, type Limits, type LimitedUpstream } from '../helpers/limited-upstream.ts';
 import { spawnServe } from '../helpers/serve.ts';
+import { completionAfter, rateLimited, startFakeUpstream, type FakeUpstream, type Limits } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 
 interface Setup {
   api: TestGateway;
-  upstream: LimitedUpstream;
+  upstream: FakeUpstream;
+  /** The next call the limits let through is answered 429 with this retry-after (seconds). */
+  refuseNext(retryAfterSeconds: number): void;
   key(project: string): Promise<CreatedKey>;
   /** Submits `count` wait=false requests of a project at once; resolves with their ids once all are accepted. */
   submit(key: CreatedKey, count: number, label: string): Promise<string[]>;
@@ -25,7 +27,9 @@ interface Setup {
 
 /** The upstream, an API process (in this test's process) and two worker processes, all with `limits`. */
 async function setUp(t: Test, limits: Limits, delayMs: number): Promise<Setup> {
-  const upstream = await startLimitedUpstream(t, { limits, delayMs });
+  const told: number[] = [];
+  const completion = completionAfter(delayMs);
+  const upstream = await startFakeUpstream(t, (call) => (told.length > 0 ? rateLimited(told.shift()!) : completion(call)), { limits });
   const directory = await mkdtemp(path.join(tmpdir(), 'gateway-lanes-'));
   const file = path.join(directory, 'upstreams.json');
   await writeFile(
@@ -62,6 +66,7 @@ async function setUp(t: Test, limits: Limits, delayMs: number): Promise<Setup> {
   return {
     api,
     upstream,
+    refuseNext: (retryAfterSeconds) => void told.push(retryAfterSeconds),
     key: (project) => api.createKey({ project, mode: 'live' }),
     async submit(key, count, label) {
       const client = clientFor(api.url, key);
@@ -114,7 +119,8 @@ t.test('with the upstream\'s own limits configured, a burst takes about the time
   // 10 calls a second, a bucket of 10 to start with, 4 at once for 200 ms each (20 a second):
   // the rate is what binds. The last call starts (80 - 10) / 10 s after the first, and takes 200 ms.
   const allowedMs = ((80 - 10) / 10) * 1000 + delayMs;
-  t.same(setup.upstream.refused, { rate: 0, concurrency: 0, told: 0 }, 'the upstream answered no 429');
+  t.same(setup.upstream.refused, { rate: 0, concurrency: 0 }, 'the upstream\'s limits refused no call');
+  t.same(setup.upstream.calls.filter((call) => call.status === 429), [], 'the upstream answered no 429');
   t.equal(setup.upstream.calls.length, 80, 'one call per request');
   t.ok(setup.upstream.peakInFlight() <= limits.maxConcurrent, `at most ${limits.maxConcurrent} calls at once (${setup.upstream.peakInFlight()})`);
   t.ok(elapsedMs <= allowedMs * 1.25, `finished in ${elapsedMs} ms, within 25 % of the ${allowedMs} ms the limits allow`);
@@ -151,7 +157,7 @@ t.test('a 429 with retry-after silences the lane in both worker processes for th
   // comes about a second in.
   const waves: Promise<string[]>[] = [];
   for (let wave = 0; wave < 45; wave++) {
-    if (wave === 10) setup.upstream.refuseNext(2);
+    if (wave === 10) setup.refuseNext(2);
     waves.push(setup.submit(key, 1, `wave ${wave}`));
     await new Promise((resolve) => setTimeout(resolve, 100));
   }
@@ -159,7 +165,7 @@ t.test('a 429 with retry-after silences the lane in both worker processes for th
   await setup.finished(ids, 30_000);
   const refused = setup.upstream.calls.find((call) => call.status === 429);
   t.ok(refused, 'the upstream answered one 429');
-  const refusedAt = refused!.answeredAt!;
+  const refusedAt = refused!.endedAt!;
 
   // Calls already under way when the 429 came may still arrive in its first moments.
   const during = setup.upstream.calls.filter((call) => call.arrivedAt > refusedAt + 150 && call.arrivedAt < refusedAt + 1_900);

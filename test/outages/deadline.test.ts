@@ -5,10 +5,10 @@
 import t from 'tap';
 import { call, tally } from '../faults/support/client.ts';
 import { waitUntilTerminal } from '../faults/support/rows.ts';
-import { startOutageUpstream } from '../helpers/outage-upstream.ts';
+import { startFakeUpstream } from '../helpers/upstream.ts';
 import { waitFor } from '../helpers/wait.ts';
 import { addTestEndpoint, startReceiver } from '../webhooks/support.ts';
-import { HEALTHS, lifecycleProblems, readsPath, MAX_ATTEMPTS, MODEL, post, requestsWithAttempts, seconds, startOutageGateway, watchLane } from './support.ts';
+import { HEALTHS, lifecycleProblems, readsPath, MAX_ATTEMPTS, MODEL, outageReply, post, requestsWithAttempts, seconds, startOutageGateway, watchLane } from './support.ts';
 
 const DEADLINE_MS = 8_000;
 const FAIL_WITHIN_MS = 5_000;
@@ -17,7 +17,7 @@ const PROJECT = 'outages-deadline';
 
 t.test('REQUEST_DEADLINE 8s, the upstream down throughout: each request fails with deadline_exceeded within 5 s of its deadline, and its request.failed event is delivered', async (t) => {
   const receiver = await startReceiver(t);
-  const upstream = await startOutageUpstream(t, { mode: { kind: 'status', status: 503 } });
+  const upstream = await startFakeUpstream(t, outageReply({ kind: 'status', status: 503 }));
   const gateway = await startOutageGateway(t, [{ name: 'primary', base_url: upstream.baseUrl, models: [MODEL] }], {
     REQUEST_DEADLINE: '8s',
     WEBHOOK_ALLOW_PRIVATE: 'true',

@@ -9,7 +9,7 @@ import t from 'tap';
 import type { Call } from '../faults/support/client.ts';
 import { spread, tally } from '../faults/support/client.ts';
 import { queueSummary, waitUntilTerminal } from '../faults/support/rows.ts';
-import { startOutageUpstream } from '../helpers/outage-upstream.ts';
+import { startFakeUpstream } from '../helpers/upstream.ts';
 import {
   firstOpenedAt,
   healthChanges,
@@ -19,9 +19,11 @@ import {
   laneState,
   lifecycleProblems,
   MODEL,
+  outageReply,
   post,
   requestsWithAttempts,
   seconds,
+  setOutage,
   startOutageGateway,
   watchLane,
   type OutageRequest,
@@ -38,8 +40,8 @@ const AFTER_REQUESTS = 20;
 const p50 = (values: number[]) => [...values].sort((a, b) => a - b)[Math.floor(values.length / 2)] ?? NaN;
 
 t.test('two deployments, the primary down (503) for 120 s: every request completes on the secondary, those after the lane opened straight there, then back to the primary', async (t) => {
-  const primary = await startOutageUpstream(t, { latencyMs: LATENCY_MS });
-  const secondary = await startOutageUpstream(t, { latencyMs: LATENCY_MS });
+  const primary = await startFakeUpstream(t, outageReply({ kind: 'healthy' }, LATENCY_MS));
+  const secondary = await startFakeUpstream(t, outageReply({ kind: 'healthy' }, LATENCY_MS));
   const gateway = await startOutageGateway(t, [
     { name: 'primary', base_url: primary.baseUrl, models: [MODEL] },
     { name: 'secondary', base_url: secondary.baseUrl, models: [{ [MODEL]: SECONDARY_MODEL }] },
@@ -52,7 +54,7 @@ t.test('two deployments, the primary down (503) for 120 s: every request complet
   t.ok(warmed.done && primary.calls.length === 1 && secondary.calls.length === 0, 'before the outage, a request runs on the primary');
 
   const watch = watchLane(gateway.pool, 'primary');
-  await primary.set({ kind: 'status', status: 503 });
+  await setOutage(primary, { kind: 'status', status: 503 });
   const downAt = Date.now();
   let upAt = 0;
   let backAt: number | undefined;
@@ -63,7 +65,7 @@ t.test('two deployments, the primary down (503) for 120 s: every request complet
     const due = downAt + i * EVERY_MS;
     if (due > Date.now()) await sleep(due - Date.now());
     if (upAt === 0 && Date.now() >= downAt + OUTAGE_MS) {
-      await primary.set({ kind: 'healthy' });
+      await setOutage(primary, { kind: 'healthy' }, LATENCY_MS);
       upAt = Date.now();
     }
     if (upAt !== 0) {
@@ -139,8 +141,8 @@ t.test('two deployments, the primary down (503) for 120 s: every request complet
     `their acceptance-to-completion p50 (${p50(acceptToCompletion)} ms) is within 1 s of the secondary's own latency (p50 ${p50(secondaryLatency)} ms)`,
   );
 
-  t.same(tally(secondary.calls.map((call) => call.model)), `${SECONDARY_MODEL}: ${secondary.calls.length}`, 'the secondary was asked for its own name of the model');
-  t.same(tally(primary.calls.map((call) => call.model)), `${MODEL}: ${primary.calls.length}`, 'the primary for the public name');
+  t.same(tally(secondary.calls.map((call) => call.body.model)), `${SECONDARY_MODEL}: ${secondary.calls.length}`, 'the secondary was asked for its own name of the model');
+  t.same(tally(primary.calls.map((call) => call.body.model)), `${MODEL}: ${primary.calls.length}`, 'the primary for the public name');
 
   const afterRequests = await requestsWithAttempts(gateway.pool, afterIds);
   t.same(

@@ -7,14 +7,15 @@ import t from 'tap';
 import type { Call } from '../faults/support/client.ts';
 import { tally } from '../faults/support/client.ts';
 import { waitUntilTerminal } from '../faults/support/rows.ts';
-import { startOutageUpstream } from '../helpers/outage-upstream.ts';
+import { completionAfter, errorFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { healthChanges, readsPath, lifecycleProblems, MAX_ATTEMPTS, MODEL, post, requestsWithAttempts, seconds, startOutageGateway, watchLane } from './support.ts';
 
 const POISON = 'POISON';
 const STEADY_EVERY_MS = 300;
 
 t.test('a poison request fails after 5 charged attempts while others succeed, and the lane never opens', async (t) => {
-  const upstream = await startOutageUpstream(t, { latencyMs: 100, poisonMarker: POISON });
+  const healthy = completionAfter(100);
+  const upstream = await startFakeUpstream(t, (call) => (call.content.includes(POISON) ? { status: 500, json: errorFor(500) } : healthy(call)));
   const gateway = await startOutageGateway(t, [{ name: 'primary', base_url: upstream.baseUrl, models: [MODEL] }]);
   const key = await gateway.createKey({ project: 'outages-poison', mode: 'live' });
   const watch = watchLane(gateway.pool, 'primary', MODEL, 100);
@@ -63,7 +64,7 @@ t.test('a poison request fails after 5 charged attempts while others succeed, an
   t.equal(attempts[0]?.charged, true, 'its first attempt was charged');
   t.equal(attempts.at(-1)?.charged, true, 'and its last');
   t.same(request ? lifecycleProblems(request) : ['not stored'], [], 'its rows keep the rules');
-  const poisonCalls = upstream.calls.filter((call) => call.met === 'poison');
+  const poisonCalls = upstream.calls.filter((call) => call.content.includes(POISON));
   t.equal(poisonCalls.length, attempts.length, 'the upstream was called once per attempt');
 
   t.equal(tally(steadyAnswers.map((answer) => answer.status)), `202: ${steady.length}`, `the ${steady.length} steady requests were acknowledged`);

@@ -9,8 +9,9 @@ import { call, spread, tally } from '../faults/support/client.ts';
 import { queueSummary, waitUntilTerminal } from '../faults/support/rows.ts';
 import type { TestGateway } from '../helpers/gateway.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
-import { failedCallsBetween, peakOverlap, startOutageUpstream, type OutageMode, type OutageUpstream } from '../helpers/outage-upstream.ts';
+import { startFakeUpstream, type FakeUpstream } from '../helpers/upstream.ts';
 import {
+  failedCallsBetween,
   firstOpenedAt,
   healthChanges,
   healthPath,
@@ -19,13 +20,17 @@ import {
   laneState,
   lifecycleProblems,
   MODEL,
+  outageReply,
+  peakOverlap,
   requestsWithAttempts,
   seconds,
   sendSpread,
+  setOutage,
   startOutageGateway,
   watchLane,
   type HealthChange,
   type LaneRead,
+  type OutageMode,
   type OutageRequest,
 } from './support.ts';
 
@@ -49,7 +54,7 @@ export interface OutageScenario {
 
 export interface OutageOutcome {
   gateway: TestGateway;
-  upstream: OutageUpstream;
+  upstream: FakeUpstream;
   requests: OutageRequest[];
   downAt: number;
   upAt: number;
@@ -61,7 +66,7 @@ export interface OutageOutcome {
 export async function runSingleUpstreamOutage(t: Test, scenario: OutageScenario): Promise<OutageOutcome> {
   const count = scenario.requests ?? REQUESTS;
   const outageMs = scenario.outageMs ?? OUTAGE_MS;
-  const upstream = await startOutageUpstream(t, { latencyMs: 200 });
+  const upstream = await startFakeUpstream(t, outageReply({ kind: 'healthy' }));
   const gateway = await startOutageGateway(t, [{ name: 'primary', base_url: upstream.baseUrl, models: [MODEL] }], {
     METRICS_PORT: '0',
     ...scenario.env,
@@ -76,7 +81,7 @@ export async function runSingleUpstreamOutage(t: Test, scenario: OutageScenario)
   t.equal(warmUp.status, 200, 'before the outage, a request completes on the upstream');
 
   const watch = watchLane(gateway.pool, 'primary');
-  await upstream.set(scenario.outage);
+  await setOutage(upstream, scenario.outage);
   const downAt = Date.now();
   const accepted = await sendSpread(gateway.url, key, {
     count,
@@ -84,7 +89,7 @@ export async function runSingleUpstreamOutage(t: Test, scenario: OutageScenario)
     content: (i) => `outage ${scenario.label} request ${i}`,
   });
   if (downAt + outageMs > Date.now()) await sleep(downAt + outageMs - Date.now());
-  await upstream.set({ kind: 'healthy' });
+  await setOutage(upstream, { kind: 'healthy' });
   const upAt = Date.now();
   t.equal(tally(accepted.map((answer) => answer.status)), `202: ${count}`, `all ${count} acknowledged during the outage`);
   const ids = accepted.map((answer) => answer.body?.id as string);

@@ -2,7 +2,8 @@
 // the default retry settings in front of loopback upstreams listed in an UPSTREAMS_FILE, requests
 // sent at an even pace, the lanes' health read from gateway.lane_states while things happen,
 // requests read with their attempts (upstream, charged), the rules a request's rows must keep
-// (lifecycle and charging), and the 'lane health changed' log lines.
+// (lifecycle and charging), the 'lane health changed' log lines, and the outage itself: a fake
+// upstream switched between healthy and one way of failing.
 import { mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
@@ -13,6 +14,7 @@ import type { CreatedKey } from '../../src/keys/service.ts';
 import { call, type Call } from '../faults/support/client.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import type { Teardown } from '../helpers/teardown.ts';
+import { completionAfter, errorFor, type FakeUpstream, type ReceivedCall, type Script } from '../helpers/upstream.ts';
 
 export const MODEL = 'gpt-4o';
 export const MAX_ATTEMPTS = 5;
@@ -48,6 +50,62 @@ export async function startOutageGateway(
 ): Promise<TestGateway> {
   const file = await writeUpstreamsFile(t, upstreams);
   return startTestGateway(t, { env: { ...DEFAULT_RETRIES, UPSTREAMS_FILE: file, ...env } });
+}
+
+/** How long a healthy upstream takes to answer a call in these scenarios (ms). */
+export const LATENCY_MS = 200;
+
+/**
+ * A provider's outage as the gateway sees it: answering one status (503, 401, ...), hanging (no
+ * answer: the gateway's upstream timeout ends the call), or refusing connections (its port closed).
+ */
+export type OutageMode = { kind: 'healthy' } | { kind: 'status'; status: number } | { kind: 'hang' } | { kind: 'refuse' };
+
+/** How the upstream answers a call in this mode; a healthy one after `latencyMs`. */
+export function outageReply(mode: OutageMode, latencyMs = LATENCY_MS): Script {
+  switch (mode.kind) {
+    case 'healthy':
+      return completionAfter(latencyMs);
+    case 'status':
+      return () => ({ status: mode.status, json: errorFor(mode.status) });
+    case 'hang':
+      return () => ({ hang: true });
+    case 'refuse':
+      // A call on a connection opened just before the port closed.
+      return () => ({ reset: true });
+  }
+}
+
+/**
+ * Switches what the upstream's calls meet from now on: a call keeps what it met when it arrived.
+ * 'refuse' closes its port (dropping every connection); any other mode listens again.
+ */
+export async function setOutage(upstream: FakeUpstream, mode: OutageMode, latencyMs = LATENCY_MS): Promise<void> {
+  upstream.replyWith(outageReply(mode, latencyMs));
+  if (mode.kind === 'refuse') await upstream.refuseConnections();
+  else await upstream.acceptConnections();
+}
+
+/** Calls that arrived in [from, to) and were not answered 200 (answered an error, hung, or cut). */
+export function failedCallsBetween(calls: readonly ReceivedCall[], from: number, to: number): ReceivedCall[] {
+  return calls.filter((call) => call.arrivedAt >= from && call.arrivedAt < to && call.status !== 200);
+}
+
+/** The most calls under way at once among these (a call still open counts until `now`). */
+export function peakOverlap(calls: readonly ReceivedCall[], now = Date.now()): number {
+  const edges = calls.flatMap((call) => [
+    { at: call.arrivedAt, step: 1 },
+    { at: call.endedAt ?? now, step: -1 },
+  ]);
+  // An end and a start at the same millisecond do not overlap.
+  edges.sort((a, b) => a.at - b.at || a.step - b.step);
+  let current = 0;
+  let peak = 0;
+  for (const edge of edges) {
+    current += edge.step;
+    peak = Math.max(peak, current);
+  }
+  return peak;
 }
 
 /**

@@ -6,19 +6,22 @@
 import t from 'tap';
 import { call, spread, tally } from '../faults/support/client.ts';
 import { faultContext } from '../faults/support/context.ts';
-import type { GatewayProcess } from '../faults/support/processes.ts';
 import { queueSummary, waitUntilTerminal } from '../faults/support/rows.ts';
 import { privateContent } from '../faults/support/run.ts';
-import { peakOverlap, startOutageUpstream } from '../helpers/outage-upstream.ts';
+import type { GatewayProcess } from '../helpers/serve.ts';
+import { startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 import {
   DEFAULT_RETRIES,
   laneState,
   lifecycleProblems,
   MODEL,
+  outageReply,
+  peakOverlap,
   requestsWithAttempts,
   seconds,
   sendSpread,
+  setOutage,
   writeUpstreamsFile,
 } from './support.ts';
 
@@ -30,7 +33,7 @@ const RECOVERY_BOUND_MS = 30_000;
 const pidOf = (workerId: string) => Number(/-(\d+)-[0-9a-f]+$/.exec(workerId)?.[1]);
 
 t.test('two workers, the lane probing, the worker holding the probe killed with SIGKILL: the other goes on probing, and after recovery every request completes', async (t) => {
-  const upstream = await startOutageUpstream(t, { latencyMs: 200 });
+  const upstream = await startFakeUpstream(t, outageReply({ kind: 'healthy' }));
   const file = await writeUpstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: [MODEL] }]);
   const faults = await faultContext(t, SCENARIO);
   const env = {
@@ -52,7 +55,7 @@ t.test('two workers, the lane probing, the worker holding the probe killed with 
   });
   t.equal(warmUp.status, 200, 'before the outage, a request completes');
 
-  await upstream.set({ kind: 'status', status: 503 });
+  await setOutage(upstream, { kind: 'status', status: 503 });
   const downAt = Date.now();
   const accepted = await sendSpread(api.url!, key, { count: REQUESTS, overMs: 5_000, content: (i) => privateContent(`outage 7 request ${i}`) });
   t.equal(tally(accepted.map((answer) => answer.status)), `202: ${REQUESTS}`, `all ${REQUESTS} acknowledged`);
@@ -66,7 +69,7 @@ t.test('two workers, the lane probing, the worker holding the probe killed with 
   const openedAt = lane?.health_since?.getTime() ?? Date.now();
 
   // From now on a call hangs: the next probe stays in flight.
-  await upstream.set({ kind: 'hang' });
+  await setOutage(upstream, { kind: 'hang' });
   const hangAt = Date.now();
   await until(async () => {
     lane = await laneState(faults.pool, 'primary');
@@ -86,7 +89,7 @@ t.test('two workers, the lane probing, the worker holding the probe killed with 
   const exit = await holder.kill('SIGKILL');
   t.equal(exit?.signal, 'SIGKILL', `${holder.label} died of SIGKILL`);
   // Still down, but answering at once: each probe from now on is seen and fails.
-  await upstream.set({ kind: 'status', status: 503 });
+  await setOutage(upstream, { kind: 'status', status: 503 });
   await until(
     () => upstream.calls.some((c) => c.arrivedAt > killedAt),
     () => `a new probe call after the kill (lane: ${JSON.stringify(lane)})`,
@@ -110,7 +113,7 @@ t.test('two workers, the lane probing, the worker holding the probe killed with 
   const whileOpen = upstream.calls.filter((c) => c.arrivedAt >= openedAt + 500);
   t.ok(peakOverlap(whileOpen) <= 1, `one call at a time across both workers while the lane was open (peak ${peakOverlap(whileOpen)} of ${whileOpen.length} calls)`);
 
-  await upstream.set({ kind: 'healthy' });
+  await setOutage(upstream, { kind: 'healthy' });
   const upAt = Date.now();
   const ended = await waitUntilTerminal(faults.pool, ids, RECOVERY_BOUND_MS + 30_000);
   t.ok(ended.done, `all ended (left: ${ended.left}, by status: ${JSON.stringify(ended.byStatus)})`);

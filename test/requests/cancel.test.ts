@@ -101,8 +101,8 @@ t.test('a processing request in another worker process: its call aborted within 
   t.match(acknowledged.body, { id, object: 'chat.completion.async', status: 'cancelled' });
   t.ok(Date.now() - cancelledAt < 1_000, 'within a second');
 
-  await until(() => call.closedAt !== undefined, 'the upstream connection to close', 1_000);
-  t.ok(call.closedAt! - cancelledAt < 1_000, `the upstream saw its connection closed ${call.closedAt! - cancelledAt} ms after the cancel`);
+  await until(() => call.endedAt !== undefined, 'the upstream connection to close', 1_000);
+  t.ok(call.endedAt! - cancelledAt < 1_000, `the upstream saw its connection closed ${call.endedAt! - cancelledAt} ms after the cancel`);
   t.match(await attemptRows(api.db, id), [{ attempt_number: 1, outcome: 'cancelled', error_code: null }], 'the attempt recorded as cancelled');
   await sleep(300);
   t.match(await requestRow(api.db, id), { status: 'cancelled', result: null }, 'and it stays cancelled');

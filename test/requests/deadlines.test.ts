@@ -64,8 +64,8 @@ t.test('a running call whose deadline passes: aborted, its request failed with d
   ]);
 
   const call = upstream.calls[0]!;
-  await until(() => call.closedAt !== undefined, 'the upstream connection to close', 3_000);
-  const sinceEnd = call.closedAt! - row.finished_at!.getTime();
+  await until(() => call.endedAt !== undefined, 'the upstream connection to close', 3_000);
+  const sinceEnd = call.endedAt! - row.finished_at!.getTime();
   t.ok(sinceEnd < 2_000, `the upstream saw its connection closed ${sinceEnd} ms after the request failed`);
 
   const lookup = await clientFor(gateway.url, key).get(id);

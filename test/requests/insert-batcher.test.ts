@@ -6,7 +6,7 @@ import { InsertBatcher } from '../../src/requests/insert-batcher.ts';
 import type { InsertResult } from '../../src/requests/insert-repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { send } from '../helpers/http.ts';
-import { countRows, dispatchJobs } from '../helpers/rows.ts';
+import { countRows, dispatchJobs, requestRow, waitForRow } from '../helpers/rows.ts';
 import { signature } from '../helpers/signing.ts';
 
 async function setup(t: Parameters<typeof startTestGateway>[0]) {
@@ -45,6 +45,19 @@ t.test('concurrent inserts share statements; each gets its own row, and each sta
   t.ok(jobs.every((job) => job.queue_id === queueId), 'of their queue');
   const waiting = await gateway.pool.query(`select count(*)::int as count from gateway.requests where status = 'queued' and next_attempt_at <= now()`);
   t.equal(waiting.rows[0].count, 200, 'every request queued and due');
+});
+
+t.test('with dispatchDelayMs, the dispatch jobs are due that much later, and a worker runs the requests then', async (t) => {
+  const { gateway, request } = await setup(t);
+  const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1, dispatchDelayMs: 1_000 });
+  const [result] = await Promise.all([batcher.insert(request(), undefined), batcher.insert(request(), undefined)]);
+  t.equal(result!.kind, 'inserted');
+  const jobs = await dispatchJobs(gateway.db);
+  const row = await requestRow(gateway.db, (result as { answer: { id: string } }).answer.id);
+  t.equal(jobs[0]!.run_at.getTime() - row!.created_at.getTime(), 1_000, 'due a second after the insert');
+  await startTestGateway(t, { role: 'worker', databaseUrl: gateway.databaseUrl });
+  const done = await waitForRow(gateway.db, row!.id, (current) => current.status === 'completed');
+  t.ok(done.finished_at! >= jobs[0]!.run_at, 'completed once its job was due, with nothing else dispatching it');
 });
 
 t.test('within one group: a repeated nonce is a replay, a repeated idempotency key one request', async (t) => {

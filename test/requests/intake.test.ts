@@ -21,9 +21,14 @@ const silent = createLogger({ logLevel: 'silent' });
 const limitsOf = (overrides: Partial<IntakeConfig>): IntakeConfig => ({
   rateLimitRps: undefined,
   lookupRateLimitRps: undefined,
+  rateLimitBytesPerSecond: undefined,
   maxUnfinishedPerProject: undefined,
+  maxBodyBytes: 4 * 1024 * 1024,
   ...overrides,
 });
+
+/** The size of a small submission's body, counted by the byte rate when one is set. */
+const SMALL_BODY = 200;
 
 /** A pool and kysely instance on `url`, as one API process has them. */
 function connect(t: Test, url: string): { pool: pg.Pool; db: Db } {
@@ -123,9 +128,9 @@ t.test('right after start, a key gets a burst of twice its rate at once, then a 
     new IntakeLimits(db, limitsOf({ rateLimitRps: 10 }), { onRefused: (mode, limit) => refused.push([mode, limit]) }),
   );
 
-  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth)));
+  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth, SMALL_BODY)));
   t.same(burst.filter(Boolean), [], 'the first 20 are admitted');
-  const refusal = refusalOf(() => limits.admitSubmission(auth));
+  const refusal = refusalOf(() => limits.admitSubmission(auth, SMALL_BODY));
   t.ok(isRateLimitRefusal(refusal), 'the 21st is refused with 429 rate_limit_exceeded');
   t.equal(refusal?.retryAfter, 1, 'a token comes back within a second');
   t.match(refusal?.message, /rate limit of 10 requests per second; retry after 1 s/);
@@ -143,14 +148,53 @@ t.test('lookups have a bucket of their own: a key out of submissions can still l
     }),
   );
 
-  for (let i = 0; i < 20; i++) limits.admitSubmission(auth);
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth))), 'submissions are exhausted');
+  for (let i = 0; i < 20; i++) limits.admitSubmission(auth, SMALL_BODY);
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY))), 'submissions are exhausted');
   const lookups = Array.from({ length: 200 }, () => refusalOf(() => limits.admitLookup(auth)));
   t.same(lookups.filter(Boolean), [], 'all 200 lookups of the lookup burst are admitted');
   const refusal = refusalOf(() => limits.admitLookup(auth));
   t.ok(isRateLimitRefusal(refusal), 'the lookup burst has its own end');
   t.match(refusal?.message, /lookup rate limit of 100 lookups per second/);
   t.same(refused, ['rate', 'lookup_rate']);
+});
+
+t.test('RATE_LIMIT_BYTES_PER_SECOND: a burst of twice the byte rate, then 429 until it refills; a check alone counts nothing', async (t) => {
+  const { pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'large-bodies', 'live');
+  const refused: IntakeLimit[] = [];
+  const limits = started(
+    t,
+    new IntakeLimits(db, limitsOf({ rateLimitBytesPerSecond: 10_000, maxBodyBytes: 4_096 }), {
+      onRefused: (_mode, limit) => refused.push(limit),
+    }),
+  );
+
+  for (let i = 0; i < 5; i++) t.notOk(refusalOf(() => limits.checkSubmission(auth, 15_000)), `check ${i + 1} of 15,000 bytes passes`);
+  t.notOk(refusalOf(() => limits.admitSubmission(auth, 15_000)), 'the checks took nothing: 15,000 of the 20,000 are admitted');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.checkSubmission(auth, 15_000))), 'a check now refuses the next 15,000');
+  const refusal = refusalOf(() => limits.admitSubmission(auth, 15_000));
+  t.ok(isRateLimitRefusal(refusal), 'and so does admitting them');
+  t.equal(refusal?.retryAfter, 1, 'the 10,000 missing come back within a second');
+  t.match(refusal?.message, /rate limit of 10000 body bytes per second; retry after 1 s/);
+  t.notOk(refusalOf(() => limits.admitSubmission(auth, 5_000)), 'a smaller body that fits what is left is admitted');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, 100))), 'then nothing is left');
+  t.same(refused, ['bytes_rate', 'bytes_rate', 'bytes_rate'], 'each refusal is counted as the byte rate\'s');
+
+  const large = await plantKey(pool, 'largest-bodies', 'live');
+  const slow = started(t, new IntakeLimits(db, limitsOf({ rateLimitBytesPerSecond: 1_024, maxBodyBytes: 1_048_576 })));
+  t.notOk(refusalOf(() => slow.admitSubmission(large, 1_048_576)), 'a byte rate below MAX_BODY_BYTES still lets one largest body through');
+  t.ok(isRateLimitRefusal(refusalOf(() => slow.admitSubmission(large, 1_048_576))), 'but not two');
+
+  await limits.sync();
+  const { rows } = await pool.query(
+    `select kind, admitted from gateway.intake_counters where api_key_id = $1`,
+    [auth.keyId],
+  );
+  t.same(
+    rows.map((row) => [row.kind, Number(row.admitted)]),
+    [['bytes', 20_000]],
+    'the bytes admitted are counted in gateway.intake_counters for the other processes',
+  );
 });
 
 t.test('what another process admitted is taken from this one\'s bucket at its next sync', async (t) => {
@@ -162,14 +206,14 @@ t.test('what another process admitted is taken from this one\'s bucket at its ne
   const second = new IntakeLimits(db, config);
   t.teardown(() => Promise.all([first.stop(), second.stop()]));
 
-  first.admitSubmission(auth);
+  first.admitSubmission(auth, SMALL_BODY);
   await first.sync(); // reports 1; the second has admitted nothing yet
-  for (let i = 0; i < 20; i++) second.admitSubmission(auth);
+  for (let i = 0; i < 20; i++) second.admitSubmission(auth, SMALL_BODY);
   await second.sync(); // reports 20; takes the first's 1 from its bucket
-  t.ok(isRateLimitRefusal(refusalOf(() => second.admitSubmission(auth))), 'the second has spent the burst');
-  t.notOk(refusalOf(() => first.admitSubmission(auth)), 'until it syncs, the first knows nothing of it');
+  t.ok(isRateLimitRefusal(refusalOf(() => second.admitSubmission(auth, SMALL_BODY))), 'the second has spent the burst');
+  t.notOk(refusalOf(() => first.admitSubmission(auth, SMALL_BODY)), 'until it syncs, the first knows nothing of it');
   await first.sync();
-  const refusal = refusalOf(() => first.admitSubmission(auth));
+  const refusal = refusalOf(() => first.admitSubmission(auth, SMALL_BODY));
   t.ok(isRateLimitRefusal(refusal), 'after its sync, the first refuses too');
 
   const { rows } = await pool.query(
@@ -207,7 +251,7 @@ t.test('two API processes sharing a key at 4x its rate admit, together, what RAT
     // Offered evenly over time, alternately to each process.
     for (const due = Math.floor((elapsed * offerPerSecond) / 1000) + 1; offered < due; offered++) {
       const which = offered % 2;
-      const refusal = refusalOf(() => processes[which]!.admitSubmission(auth));
+      const refusal = refusalOf(() => processes[which]!.admitSubmission(auth, SMALL_BODY));
       if (refusal) refusals.push(refusal);
       else admittedBy[which]!++;
       lastOfferAt = elapsed;
@@ -249,21 +293,21 @@ t.test('MAX_UNFINISHED_PER_PROJECT refuses a project and mode at its limit until
   );
 
   // A project this process has not counted yet is admitted until its count arrives.
-  t.notOk(refusalOf(() => limits.admitSubmission(key)));
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)));
   await limits.sync();
-  const refusal = refusalOf(() => limits.admitSubmission(key));
+  const refusal = refusalOf(() => limits.admitSubmission(key, SMALL_BODY));
   t.ok(isRateLimitRefusal(refusal), 'refused with 429 rate_limit_exceeded once its 3 unfinished requests are counted');
   t.equal(refusal?.retryAfter, 1);
   t.match(refusal?.message, /This project has 3 test requests not yet finished, its limit \(MAX_UNFINISHED_PER_PROJECT\)/);
   t.same(refused, ['unfinished']);
-  t.notOk(refusalOf(() => limits.admitSubmission(liveKey)), 'the same project in the other mode is admitted');
-  t.notOk(refusalOf(() => limits.admitSubmission(otherProject)), 'another project is admitted');
+  t.notOk(refusalOf(() => limits.admitSubmission(liveKey, SMALL_BODY)), 'the same project in the other mode is admitted');
+  t.notOk(refusalOf(() => limits.admitSubmission(otherProject, SMALL_BODY)), 'another project is admitted');
 
   await finish(pool, ids.slice(0, 2));
   await sleep(10 * syncMs); // the periodic sync counts again
-  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'admitted again once two have finished');
-  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'and a second, counted by this process since');
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key))), 'the third would be over the limit');
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'admitted again once two have finished');
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'and a second, counted by this process since');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key, SMALL_BODY))), 'the third would be over the limit');
 });
 
 t.test('a request admitted and stored while the count waits for a connection is counted once', async (t) => {
@@ -274,21 +318,21 @@ t.test('a request admitted and stored while the count waits for a connection is 
   t.teardown(() => processPool.end());
   const limits = new IntakeLimits(createDb(processPool), limitsOf({ maxUnfinishedPerProject: 3 }));
 
-  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'the first');
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'the first');
   await plantUnfinished(pool, key, 1);
   await limits.sync();
 
   const held = await processPool.connect();
   const counting = limits.sync();
-  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'the second, while the count waits');
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'the second, while the count waits');
   await plantUnfinished(pool, key, 1);
   held.release();
   await counting;
 
-  t.notOk(refusalOf(() => limits.admitSubmission(key)), 'the third: two are unfinished, not three');
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'the third: two are unfinished, not three');
   await plantUnfinished(pool, key, 1);
   await limits.sync();
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key))), 'the fourth is over the limit');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key, SMALL_BODY))), 'the fourth is over the limit');
 });
 
 t.test('stale counters are deleted by a sync, and a process deletes its own when it stops', async (t) => {
@@ -302,7 +346,7 @@ t.test('stale counters are deleted by a sync, and a process deletes its own when
   );
   const limits = new IntakeLimits(db, limitsOf({ rateLimitRps: 10, lookupRateLimitRps: 100 }));
   limits.start();
-  for (let i = 0; i < 3; i++) limits.admitSubmission(auth);
+  for (let i = 0; i < 3; i++) limits.admitSubmission(auth, SMALL_BODY);
   limits.admitLookup(auth);
   await limits.sync();
   const counters = async () =>
@@ -322,7 +366,7 @@ t.test('keys and projects not seen for a while are forgotten', async (t) => {
     t,
     new IntakeLimits(db, limitsOf({ rateLimitRps: 100, lookupRateLimitRps: 1000, maxUnfinishedPerProject: 10 }), { syncMs: 10 }),
   );
-  limits.admitSubmission(auth);
+  limits.admitSubmission(auth, SMALL_BODY);
   limits.admitLookup(auth);
   t.equal(limits.size, 3, 'two buckets and a project');
   await until(() => limits.size === 0, 'the key and the project are forgotten', 3_000);
@@ -340,13 +384,13 @@ t.test('a database out of reach does not fail admissions: they are decided local
     new IntakeLimits(createDb(pool), limitsOf({ rateLimitRps: 10, maxUnfinishedPerProject: 100 }), { logger, syncMs: 20 }),
   );
 
-  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth)));
+  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth, SMALL_BODY)));
   t.same(burst.filter(Boolean), [], 'the burst is admitted');
   await until(() => lines.filter((line) => line.includes('"intake limits still not synchronised"')).length >= 4, 'several failed syncs');
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth))), 'the local bucket still refuses the 21st');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY))), 'the local bucket still refuses the 21st');
   const warnings = lines.filter((line) => line.includes('"level":"warn"') && line.includes('could not synchronise the intake limits'));
   t.equal(warnings.length, 2, 'one warning for each statement failing (counters, unfinished), however often it fails');
   await sleep(200);
-  t.notOk(refusalOf(() => limits.admitSubmission(auth)), 'the bucket refills meanwhile');
+  t.notOk(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY)), 'the bucket refills meanwhile');
   await limits.stop();
 });

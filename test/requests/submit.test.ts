@@ -2,6 +2,7 @@ import t from 'tap';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { attemptRows, dispatchJobs, requestRow, waitForRow } from '../helpers/rows.ts';
+import { OWN_DISPATCH_FALLBACK_MS } from '../../src/worker/dispatcher.ts';
 
 t.test('wait=false answers 202 with the acknowledgement, after the row and its lane\'s dispatch are committed', async (t) => {
   // API only: no worker, so the request stays exactly as it was accepted.
@@ -23,6 +24,18 @@ t.test('wait=false answers 202 with the acknowledgement, after the row and its l
   t.equal(row?.attempts, 0);
   t.ok(row?.next_attempt_at && row.next_attempt_at <= new Date(), 'due at once');
   t.same((await dispatchJobs(gateway.db)).map((job) => job.queue_id), [row?.queue_id], 'and its queue woken by a dispatch job');
+});
+
+t.test('a process that also runs a worker dispatches what it accepts at once: its dispatch job is a fallback, due later', async (t) => {
+  const gateway = await startTestGateway(t);
+  const answer = await clientFor(gateway.url, await gateway.createKey()).post({ model: 'test-echo', messages: userMessage(), wait: true });
+  t.equal(answer.status, 200, 'completed');
+  const { rows } = await gateway.pool.query('select id from gateway.requests');
+  const row = await requestRow(gateway.db, rows[0].id);
+  const jobs = await dispatchJobs(gateway.db);
+  t.same(jobs.map((job) => job.queue_id), [row?.queue_id], 'its queue has a dispatch job');
+  t.equal(jobs[0]!.run_at.getTime() - row!.created_at.getTime(), OWN_DISPATCH_FALLBACK_MS, 'due OWN_DISPATCH_FALLBACK_MS after the request was accepted');
+  t.ok(row!.finished_at! < jobs[0]!.run_at, 'and the request completed before it was due');
 });
 
 t.test('wait defaults to false', async (t) => {

@@ -2,6 +2,9 @@
 // waiter whose client hangs up is dropped, and a shutdown answers every waiter at once.
 import http from 'node:http';
 import t from 'tap';
+import { Listener } from '../../src/db/listener.ts';
+import { createLogger } from '../../src/logger.ts';
+import { Waiters } from '../../src/requests/waiters.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { signature } from '../helpers/signing.ts';
@@ -63,4 +66,64 @@ t.test('shutting down answers waiting requests with their acknowledgement', asyn
   t.equal(answer.body.object, 'chat.completion.async');
   t.equal(answer.body.status, 'processing');
   await stopped;
+});
+
+t.test('a waiter in the process of the worker that completed its request is handed the committed result', async (t) => {
+  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '10000' } });
+  const waiters = gateway.waiters!;
+  const handed = new Map<string, string>();
+  const completed = waiters.completed.bind(waiters);
+  waiters.completed = (id, result) => {
+    handed.set(id, result);
+    completed(id, result);
+  };
+  const answer = await clientFor(gateway.url, await gateway.createKey()).post({
+    model: 'test-delay-50',
+    messages: userMessage('in one process'),
+    wait: true,
+  });
+  t.equal(answer.status, 200);
+  t.equal(answer.body.choices[0].message.content, 'in one process');
+  const { rows } = await gateway.pool.query(`select id, result::text as result from gateway.requests`);
+  t.same([...handed], [[rows[0].id, rows[0].result]], 'its result was handed over, as committed');
+  t.equal(answer.text, rows[0].result, 'and is the answer');
+});
+
+t.test('a completion handed over before or during the wait ends it with the result', async (t) => {
+  const listener = new Listener('postgres://127.0.0.1:9/none', createLogger({ logLevel: 'silent' }));
+  const waiters = new Waiters(listener);
+  const early = waiters.watch('req_early');
+  waiters.completed('req_early', '{"early":true}');
+  t.equal(await early.next(1_000), 'completed', 'handed over before the wait began');
+  t.equal(early.result, '{"early":true}');
+  early.close();
+
+  const during = waiters.watch('req_during');
+  const event = during.next(1_000);
+  waiters.completed('req_during', '{"during":true}');
+  t.equal(await event, 'completed', 'handed over while waiting');
+  t.equal(during.result, '{"during":true}');
+  during.close();
+  t.equal(waiters.size, 0);
+});
+
+t.test('a waiter reading its row hears of a result handed over meanwhile, or already', async (t) => {
+  const listener = new Listener('postgres://127.0.0.1:9/none', createLogger({ logLevel: 'silent' }));
+  const waiters = new Waiters(listener);
+  const watch = waiters.watch('req_racing');
+  waiters.wake(['req_racing']); // its NOTIFY, first
+  t.equal(await watch.next(1_000), 'changed', 'woken to read its row');
+  let handed = false;
+  const handedOver = watch.handedOver().then(() => (handed = true));
+  await new Promise((resolve) => setImmediate(resolve));
+  t.notOk(handed, 'nothing handed over yet');
+  waiters.completed('req_racing', '{"raced":true}');
+  await handedOver;
+  t.equal(watch.result, '{"raced":true}', 'then the result, while the read is under way');
+  const again = await Promise.race([
+    watch.handedOver().then(() => 'resolved'),
+    new Promise((resolve) => setImmediate(() => resolve('still pending'))),
+  ]);
+  t.equal(again, 'resolved', 'and, asked again, at once');
+  watch.close();
 });

@@ -6,7 +6,7 @@ import t from 'tap';
 import { rotateSecret, addEndpoint } from '../../src/webhooks/endpoints.ts';
 import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
-import { spawnServe, type ServeProcess } from '../helpers/serve.ts';
+import { spawnServe, type GatewayProcess } from '../helpers/serve.ts';
 import { until } from '../helpers/wait.ts';
 import { inBatches } from '../helpers/concurrency.ts';
 import { addTestEndpoint, dataText, messagesOf, startReceiver, triesOf, type Delivery } from './support.ts';
@@ -162,7 +162,7 @@ t.test('a worker SIGKILLed during its tries: after a new worker starts, every ev
     SECRET_ENCRYPTION_KEY: api.config.secretEncryptionKeys[0]!.toString('base64'),
     WORKER_DEAD_AFTER_MS: '1000',
   };
-  const started = async (worker: ServeProcess) => until(() => worker.output().includes('gateway started'), () => `the worker started:\n${worker.output()}`, 30_000);
+  const started = async (worker: GatewayProcess) => until(() => worker.output().includes('gateway started'), () => `the worker started:\n${worker.output()}`, 30_000);
   const first = spawnServe(t, env, ['--role', 'worker']);
   await started(first);
 
@@ -178,8 +178,7 @@ t.test('a worker SIGKILLed during its tries: after a new worker starts, every ev
   const cut = new Set(receiver.deliveries.map((delivery) => String(delivery.headers['webhook-id'])));
   t.equal(tally((await messagesOf(api.db)).map((message) => `${message.status} after ${message.tries}`)), 'delivering after 1: 10, pending after 0: 10', 'ten tries held by the receiver, ten messages waiting');
 
-  first.child.kill('SIGKILL');
-  t.equal(await first.exited, null, 'the worker died of SIGKILL');
+  t.equal((await first.kill('SIGKILL'))?.code, null, 'the worker died of SIGKILL');
   receiver.release({ status: 204 });
   const second = spawnServe(t, env, ['--role', 'worker']);
   await started(second);

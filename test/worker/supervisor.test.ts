@@ -142,7 +142,7 @@ t.test('a worker whose event loop stalls for 2 s keeps its heartbeat row and its
       await sleep(50);
     }
   })();
-  stalling.child.kill('SIGUSR2');
+  stalling.signal('SIGUSR2');
   await until(() => stalling.output().includes('stalled the event loop'), 'the stall', 10_000);
   // Its heartbeat comes back within a beat; two of the peer's sweeps after that.
   await sleep(4_000);

@@ -210,7 +210,7 @@ t.test('a 2xx answer that says it is larger than the limit (content-length) is n
   const timeoutMs = 5000;
   const { row, attempts } = await runAgainst(
     t,
-    () => ({ status: 200, text: '{"object":"chat.completion",', headers: { 'content-length': String(3 * 1024 * 1024) }, hold: true }),
+    () => ({ status: 200, text: '{"object":"chat.completion",', headers: { 'content-length': String(3 * 1024 * 1024) }, partial: 'hold' }),
     { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: String(timeoutMs) },
   );
   t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });

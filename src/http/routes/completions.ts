@@ -8,8 +8,9 @@ import { setReply } from '../reply.ts';
 
 export function createCompletion(deps: RequestDeps): Middleware<GatewayState> {
   return async (ctx) => {
-    const submission = parseSubmission(parseJson(ctx.state.body!));
-    const submitted = await submit(deps, ctx.state.auth, submission, { signature: ctx.state.signature });
+    const body = ctx.state.body!;
+    const submission = parseSubmission(parseJson(body));
+    const submitted = await submit(deps, ctx.state.auth, submission, { signature: ctx.state.signature, bodyBytes: body.length });
     if (submitted.kind !== 'waiting') {
       setReply(ctx, replyOf(submitted));
       return;

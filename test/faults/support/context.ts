@@ -4,7 +4,6 @@
 // the processes are killed first, then the pool is closed and the database dropped (or what
 // the scenario gave as `afterwards` is done, such as stopping its Postgres).
 import { randomBytes } from 'node:crypto';
-import path from 'node:path';
 import type pg from 'pg';
 import type { Test } from 'tap';
 import { createDb, createPool, type Db } from '../../../src/db/pool.ts';
@@ -15,7 +14,7 @@ import type { Role } from '../../../src/main.ts';
 import { createTestDatabase } from '../../helpers/database.ts';
 import { searchLogs } from './logs.ts';
 import { freePort } from '../../helpers/ports.ts';
-import { GatewayProcess } from './processes.ts';
+import { GatewayProcess } from '../../helpers/serve.ts';
 import { logFile, logFiles, markLogsClean, recordSecret, runDirectory, UPSTREAM_API_KEY } from './run.ts';
 import type { Teardown } from '../../helpers/teardown.ts';
 
@@ -53,9 +52,11 @@ export interface FaultContext {
   /** The same, started. */
   start(role: Role, options?: { label?: string; env?: Record<string, string> }): Promise<GatewayProcess>;
   /**
-   * The end of every scenario: its processes are stopped (SIGTERM, then SIGKILL), and their
-   * logs searched for keys, secrets, the upstream key and message contents. Each scenario
-   * searches its own, whatever order the files run in; scenario 6 searches them all again.
+   * The end of every scenario: its processes are stopped (SIGTERM, then SIGKILL), and the logs
+   * of the run so far (its own, and those of the scenarios that ran before or beside it)
+   * searched for keys, secrets, the upstream key and message contents. Scenarios run side by
+   * side, so each log and each secret recorded meet in the search of whichever of their two
+   * scenarios ends last; scenario 6 searches them all again.
    */
   finish(t: Test): Promise<void>;
 }
@@ -86,11 +87,12 @@ export async function faultContext(
     if (processes.some((existing) => existing.label === label)) throw new Error(`two processes named ${label}`);
     const gateway = new GatewayProcess({
       label,
-      role,
+      args: ['--role', role],
       logFile: logFile(scenario, label),
       env: {
         PATH: process.env.PATH ?? '',
         ...(process.env.HOME ? { HOME: process.env.HOME } : {}),
+        ...(process.env.NODE_COMPILE_CACHE ? { NODE_COMPILE_CACHE: process.env.NODE_COMPILE_CACHE } : {}),
         ...FAULT_SETTINGS,
         PORT: role === 'worker' ? '0' : String(await freePort()),
         ...processOptions.env,
@@ -122,9 +124,11 @@ export async function faultContext(
     },
     async finish(t) {
       await Promise.all(processes.map((gateway) => gateway.stop()));
-      const search = searchLogs(logFiles().filter((file) => path.basename(file).startsWith(`${scenario}.`)));
-      t.comment(`searched the ${search.files} logs of this scenario (${search.linesByScenario.get(scenario) ?? 0} lines) for ${search.secretsSearched} recorded keys and secrets, the upstream key and message contents`);
-      t.same(search.leaks.slice(0, 20), [], `the logs of every process this scenario started hold no key, secret, upstream key or message content (${search.leaks.length} found)`);
+      const search = searchLogs(logFiles());
+      const others = [...search.linesByScenario.keys()].filter((name) => name !== scenario);
+      t.comment(`searched the ${search.files} logs of this scenario (${search.linesByScenario.get(scenario) ?? 0} lines) and of ${others.join(', ') || 'no other'} for ${search.secretsSearched} recorded keys and secrets, the upstream key and message contents`);
+      t.ok(search.linesByScenario.has(scenario), 'the logs of this scenario were among them');
+      t.same(search.leaks.slice(0, 20), [], `the logs of every process this scenario (and those before or beside it) started hold no key, secret, upstream key or message content (${search.leaks.length} found)`);
       // Kept for whoever looks into a failure; otherwise gone once every scenario is done.
       if (search.leaks.length === 0 && t.passing()) markLogsClean(scenario);
       else t.comment(`the logs are kept in ${runDirectory()}`);

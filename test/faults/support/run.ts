@@ -71,8 +71,11 @@ export function recordSecret(scenario: string, kind: SecretKind, value: string):
 export function recordedSecrets(): RecordedSecret[] {
   const file = path.join(runDirectory(), 'secrets.jsonl');
   if (!existsSync(file)) return [];
-  return readFileSync(file, 'utf8')
-    .split('\n')
+  // Scenarios run side by side and append as they go: a last line without its newline is one
+  // still being written (its secret is searched for by its own scenario, which wrote it).
+  const lines = readFileSync(file, 'utf8').split('\n');
+  return lines
+    .slice(0, -1)
     .filter(Boolean)
     .map((line) => JSON.parse(line) as RecordedSecret);
 }

@@ -1,12 +1,10 @@
-// An OpenAI-compatible upstream on loopback that fails at random: each call to
+// The script of an upstream that fails at random (test/helpers/upstream.ts runs it): each call to
 // POST /v1/chat/completions gets a behaviour drawn from a seeded generator (a completion, 429
 // with retry-after, 5xx, other 4xx, a reset connection before or in the middle of the answer,
 // a hang or a stalled body past the gateway's upstream timeout, or a 2xx that is not a chat
 // completion), and every call is remembered with what it was answered, so a test can work out
 // which code each attempt of each request must have ended with.
-import http from 'node:http';
-import { listenOnLoopback } from '../../helpers/ports.ts';
-import type { Teardown } from '../../helpers/teardown.ts';
+import { completionFor, type ReceivedCall, type Reply } from '../../helpers/upstream.ts';
 
 export const BEHAVIOURS = {
   ok: { weight: 38, code: null },
@@ -40,30 +38,23 @@ export const RETRYABLE = new Set([
 ]);
 
 export interface ChaosCall {
+  /** The call as the upstream received and answered it (its status, when it arrived). */
+  received: ReceivedCall;
   /** Which request this call was for, as `tagOf` read it from the body. */
   tag: string;
   behaviour: Behaviour;
-  /** The HTTP status sent, if one was. */
-  status: number | null;
   /** The completion sent, for `ok`. */
   completion: Record<string, unknown> | undefined;
-  /** When its headers arrived, and when it was answered (or cut, or left hanging). */
-  receivedAt: number;
-  answeredAt: number;
-  authorization: string | undefined;
-  body: any;
 }
 
-export interface ChaosUpstream {
-  baseUrl: string;
+export interface Chaos {
+  /** The upstream's script: answers each call as the behaviour drawn for it. */
+  reply(call: ReceivedCall): Reply;
   calls: ChaosCall[];
   callsFor(tag: string): ChaosCall[];
 }
 
-export async function startChaosUpstream(
-  t: Teardown,
-  options: { seed: number; tagOf: (body: any) => string },
-): Promise<ChaosUpstream> {
+export function chaos(options: { seed: number; tagOf: (body: any) => string }): Chaos {
   const random = mulberry32(options.seed);
   const pick = <T>(items: readonly T[]): T => items[Math.floor(random() * items.length)]!;
   const total = Object.values(BEHAVIOURS).reduce((sum, behaviour) => sum + behaviour.weight, 0);
@@ -78,38 +69,18 @@ export async function startChaosUpstream(
 
   const calls: ChaosCall[] = [];
   const byTag = new Map<string, ChaosCall[]>();
-  const server = http.createServer(async (request, response) => {
-    const receivedAt = Date.now();
-    const chunks: Buffer[] = [];
-    for await (const chunk of request) chunks.push(chunk as Buffer);
-    if (request.method !== 'POST' || request.url !== '/v1/chat/completions') {
-      response.writeHead(404).end();
-      return;
-    }
-    const body = JSON.parse(Buffer.concat(chunks).toString('utf8'));
+  const reply = (received: ReceivedCall): Reply => {
     const behaviour = draw();
-    const call: ChaosCall = {
-      tag: options.tagOf(body),
-      behaviour,
-      status: null,
-      completion: undefined,
-      receivedAt,
-      answeredAt: Date.now(),
-      authorization: request.headers.authorization,
-      body,
-    };
-    calls.push(call);
-    byTag.set(call.tag, [...(byTag.get(call.tag) ?? []), call]);
+    const chaosCall: ChaosCall = { received, tag: options.tagOf(received.body), behaviour, completion: undefined };
+    calls.push(chaosCall);
+    byTag.set(chaosCall.tag, [...(byTag.get(chaosCall.tag) ?? []), chaosCall]);
 
-    const answer = (status: number, text: string, headers: Record<string, string> = {}) => {
-      call.status = status;
-      response.writeHead(status, { 'content-type': 'application/json', ...headers });
-      response.end(text);
-    };
+    const answer = (status: number, text: string, headers: Record<string, string> = {}): Reply => ({ status, text, headers });
+    const started = (text: string) => ({ status: 200, text, headers: { 'content-length': '4096' } });
     switch (behaviour) {
       case 'ok':
-        call.completion = completionFor(body);
-        return answer(200, JSON.stringify(call.completion));
+        chaosCall.completion = completionFor(received.body);
+        return answer(200, JSON.stringify(chaosCall.completion));
       case 'rate_limited':
         return answer(429, '{"error":{"message":"slow down"}}', { 'retry-after': pick(['0', '1']) });
       case 'server_error':
@@ -121,25 +92,17 @@ export async function startChaosUpstream(
       case 'unauthorized':
         return answer(pick([401, 403]), '{"error":{"message":"who are you"}}');
       case 'reset':
-        request.socket.destroy();
-        return;
+        return { reset: true };
       case 'reset_mid_body':
-        call.status = 200;
-        response.writeHead(200, { 'content-type': 'application/json', 'content-length': '4096' });
-        response.write('{"id":"chatcmpl-cut","object":"chat.completion","choi');
-        setTimeout(() => request.socket.destroy(), 5);
-        return;
+        return { ...started('{"id":"chatcmpl-cut","object":"chat.completion","choi'), partial: 'reset' };
       case 'hang':
-        return; // the gateway's upstream timeout must end it
+        return { hang: true }; // the gateway's upstream timeout must end it
       case 'stalled_body':
-        call.status = 200;
-        response.writeHead(200, { 'content-type': 'application/json', 'content-length': '4096' });
-        response.write('{"id":"chatcmpl-stalled","object":"chat.comp');
-        return;
+        return { ...started('{"id":"chatcmpl-stalled","object":"chat.comp'), partial: 'hold' };
       case 'not_json':
         return answer(200, pick(['<html><body>Bad Gateway</body></html>', 'OK', '\u0000\u00ff garbage \ud83d']));
       case 'truncated_json':
-        return answer(200, JSON.stringify(completionFor(body)).slice(0, 40));
+        return answer(200, JSON.stringify(completionFor(received.body)).slice(0, 40));
       case 'not_a_completion':
         return answer(200, pick(['{"object":"list","data":[]}', '{"id":"chatcmpl-x","object":"chat.completion.chunk","choices":[]}', '{"error":null}', '{"id":42,"object":"chat.completion","choices":[]}']));
       case 'json_array':
@@ -147,23 +110,8 @@ export async function startChaosUpstream(
       case 'empty_2xx':
         return answer(pick([200, 201, 204]), '');
     }
-  });
-  // The gateway, not this server, decides when a kept-alive connection ends: a connection this
-  // server closed just as a call was sent on it would be a failure it never answered.
-  server.keepAliveTimeout = 120_000;
-  const port = await listenOnLoopback(t, server);
-  return { baseUrl: `http://127.0.0.1:${port}/v1`, calls, callsFor: (tag) => byTag.get(tag) ?? [] };
-}
-
-function completionFor(body: { model?: string; messages?: { content: string }[] }) {
-  return {
-    id: `chatcmpl-chaos${Math.random().toString(36).slice(2)}`,
-    object: 'chat.completion',
-    created: Math.floor(Date.now() / 1000),
-    model: body.model ?? 'chaos',
-    choices: [{ index: 0, message: { role: 'assistant', content: `echo: ${body.messages?.at(-1)?.content ?? ''}` }, finish_reason: 'stop' }],
-    usage: { prompt_tokens: 3, completion_tokens: 3, total_tokens: 6 },
   };
+  return { reply, calls, callsFor: (tag) => byTag.get(tag) ?? [] };
 }
 
 /** A small seeded generator, so a run's mix of behaviours can be told by its seed. */
