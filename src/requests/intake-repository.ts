@@ -99,3 +99,9 @@ export async function countUnfinished(db: Db, projects: readonly ProjectMode[], 
   `.execute(db);
   return rows.map((row) => Number(row.unfinished));
 }
+
+/** Which of the requests `ids` are stored (in any status). */
+export async function storedRequests(db: Db, ids: readonly string[]): Promise<string[]> {
+  const { rows } = await sql<{ id: string }>`select id from gateway.requests where id = any(${ids}::text[])`.execute(db);
+  return rows.map((row) => row.id);
+}

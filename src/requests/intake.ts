@@ -23,9 +23,12 @@ export interface Intake {
   checkSubmission(auth: Auth, bodyBytes: number): void;
   /**
    * Throws the 429 when the key is over its rate or its byte rate, or its project and mode has
-   * too many unfinished requests; else counts the submission and its body's bytes.
+   * too many unfinished requests; else counts the submission and its body's bytes, and the
+   * request `requestId` as unfinished until it is stored and counted.
    */
-  admitSubmission(auth: Auth, bodyBytes: number): void;
+  admitSubmission(auth: Auth, bodyBytes: number, requestId: string): void;
+  /** The admitted request `requestId` stored nothing of its own (refused later, replayed, or failed). */
+  withdraw(auth: Auth, requestId: string): void;
   /** Throws the 429 when the key is over its lookup rate. */
   admitLookup(auth: Auth): void;
 }
@@ -34,6 +37,7 @@ export interface Intake {
 export const NO_INTAKE_LIMITS: Intake = Object.freeze({
   checkSubmission: () => {},
   admitSubmission: () => {},
+  withdraw: () => {},
   admitLookup: () => {},
 });
 
@@ -107,12 +111,17 @@ export class IntakeLimits implements Intake {
     this.#checkSubmission(auth, bodyBytes);
   }
 
-  admitSubmission(auth: Auth, bodyBytes: number): void {
+  admitSubmission(auth: Auth, bodyBytes: number, requestId: string): void {
     // All checked before any is counted: a request one limit refuses costs nothing of the others.
     const { requests, bytes, project } = this.#checkSubmission(auth, bodyBytes);
     if (requests) this.#rates!.take(requests);
     if (bytes) this.#rates!.take(bytes, bodyBytes);
-    if (project) this.#unfinished!.take(project);
+    if (project) this.#unfinished!.take(project, requestId);
+  }
+
+  withdraw(auth: Auth, requestId: string): void {
+    // The rates stay spent: the submission was made.
+    this.#unfinished?.withdraw(auth, requestId);
   }
 
   #checkSubmission(auth: Auth, bodyBytes: number) {

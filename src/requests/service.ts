@@ -74,14 +74,17 @@ export async function submit(
   submission: Submission,
   options: SubmitOptions = {},
 ): Promise<SubmitOutcome | Waiting> {
-  // The intake limits first: a refused request stores nothing, not even its model's queue.
-  deps.intake.admitSubmission(auth, options.bodyBytes ?? Buffer.byteLength(submission.body));
-  const routed = await deps.queues.route(auth.mode, submission);
   const id = newRequestId();
-  // Watching before the row exists means its completion cannot slip past us.
-  let watch = submission.wait ? deps.waiters.watch(id) : undefined;
+  // The intake limits first: a refused request stores nothing, not even its model's queue.
+  deps.intake.admitSubmission(auth, options.bodyBytes ?? Buffer.byteLength(submission.body), id);
+  let storedAsOwn = false;
+  let watch: Watch | undefined;
   try {
+    const routed = await deps.queues.route(auth.mode, submission);
+    // Watching before the row exists means its completion cannot slip past us.
+    watch = submission.wait ? deps.waiters.watch(id) : undefined;
     const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature));
+    storedAsOwn = !stored.replayed;
     let { answer } = stored;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
     if (!stored.replayed) deps.onStored?.(stored.queueId);
@@ -97,6 +100,9 @@ export async function submit(
     return waiting;
   } finally {
     watch?.close();
+    // MAX_UNFINISHED_PER_PROJECT counts only requests stored as their own: not a replay, nor
+    // one refused or failed after its admission.
+    if (!storedAsOwn) deps.intake.withdraw(auth, id);
   }
 }
 

@@ -1,9 +1,15 @@
 // MAX_UNFINISHED_PER_PROJECT: per project and mode seen lately, its unfinished requests as of the
-// last count plus what this process admitted since, counted for all of them in one statement in
-// the background (each count stopping at the limit + 1), so that a request costs no database
-// round trip. A project first seen is admitted until its first count arrives, moments later (it
-// is counted early). When the database cannot be reached, a process counts only its own
-// admissions against projects.
+// last count plus the requests this process admitted that no count has seen yet, so that a request
+// costs no database round trip. The counts are taken for all projects in one statement in the
+// background (each stopping at the limit + 1). A project first seen is admitted until its first
+// count arrives, moments later (it is counted early). When the database cannot be reached, a
+// process counts only its own admissions against projects.
+//
+// An admission is known by its request's id, and a count settles which admissions it saw: in one
+// repeatable-read transaction, it counts, and then looks up the ids admitted up to then. A request
+// in the count's snapshot was committed before the snapshot was taken, so admitted before the
+// lookup's list was read, and it is found; one not found is not in the count either, and stays
+// added on. Each request is counted once however its insert and the count overlap.
 import type { Db } from '../db/pool.ts';
 import { rateLimitExceeded } from '../errors.ts';
 import type { KeyMode } from '../ids.ts';
@@ -17,11 +23,17 @@ export interface ProjectCount {
   readonly mode: KeyMode;
   /** Its unfinished requests as last counted (at most the limit + 1); undefined until counted once. */
   counted: number | undefined;
-  /** Admitted here since the last count began. */
-  admitted: number;
+  /** Requests admitted here that no count has seen yet: id -> when admitted (performance.now()). */
+  readonly pending: Map<string, number>;
   /** The last submission seen (admitted or not). */
   activeAt: number;
 }
+
+/**
+ * An admission neither seen by a count nor withdrawn after this long is dropped: its request was
+ * never stored (withdraw() is how the caller says so; this covers a path that did not).
+ */
+const PENDING_EXPIRY_MS = 60_000;
 
 export interface UnfinishedCountsOptions {
   syncMs: number;
@@ -56,12 +68,12 @@ export class UnfinishedCounts {
     const key = `${auth.mode} ${auth.projectId}`;
     let project = this.#projects.get(key);
     if (!project) {
-      project = { projectId: auth.projectId, mode: auth.mode, counted: undefined, admitted: 0, activeAt: now };
+      project = { projectId: auth.projectId, mode: auth.mode, counted: undefined, pending: new Map(), activeAt: now };
       this.#projects.set(key, project);
       this.#loop.soon();
     }
     project.activeAt = now;
-    if ((project.counted ?? 0) + project.admitted >= this.#max) {
+    if ((project.counted ?? 0) + project.pending.size >= this.#max) {
       throw rateLimitExceeded(
         1,
         `This project has ${this.#max} ${auth.mode} requests not yet finished, its limit (MAX_UNFINISHED_PER_PROJECT); retry after 1 s.`,
@@ -70,9 +82,14 @@ export class UnfinishedCounts {
     return project;
   }
 
-  /** Counts the admission check() allowed. */
-  take(project: ProjectCount): void {
-    project.admitted++;
+  /** Counts the admission check() allowed, of the request `requestId`, until a count sees it. */
+  take(project: ProjectCount, requestId: string): void {
+    project.pending.set(requestId, performance.now());
+  }
+
+  /** The admitted request `requestId` was not stored (refused later, replayed, or failed). */
+  withdraw(auth: Auth, requestId: string): void {
+    this.#projects.get(`${auth.mode} ${auth.projectId}`)?.pending.delete(requestId);
   }
 
   start(): void {
@@ -89,40 +106,40 @@ export class UnfinishedCounts {
 
   async #syncOnce(): Promise<void> {
     const now = performance.now();
-    const counting: { project: ProjectCount; admitted: number }[] = [];
+    const counting: ProjectCount[] = [];
     for (const [key, project] of this.#projects) {
       if (now - project.activeAt > this.#idleMs) {
         this.#projects.delete(key);
         continue;
       }
-      counting.push({ project, admitted: 0 });
+      counting.push(project);
     }
     if (counting.length === 0) return;
 
-    let counts: number[];
+    let counted: { counts: number[]; seen: Set<string> };
     try {
-      counts = await this.#db.connection().execute((connection) => {
-        // Read once the connection is held, as the statement leaves: a request admitted later
-        // is stored later still, so it cannot be in the count and stays added on. Read before
-        // waiting for a connection, the requests admitted and stored during the wait would be
-        // both in the count and added on, and refuse a project below its limit.
-        for (const entry of counting) entry.admitted = entry.project.admitted;
-        return repository.countUnfinished(
-          connection,
-          counting.map(({ project }) => project),
-          this.#max + 1,
-        );
-      });
+      counted = await this.#db
+        .transaction()
+        .setIsolationLevel('repeatable read')
+        .setAccessMode('read only')
+        .execute(async (tx) => {
+          const counts = await repository.countUnfinished(tx, counting, this.#max + 1);
+          // Read now, after the count's snapshot was taken: every request in it is among these.
+          const admitted = counting.flatMap((project) => [...project.pending.keys()]);
+          const seen = admitted.length === 0 ? [] : await repository.storedRequests(tx, admitted);
+          return { counts, seen: new Set(seen) };
+        });
     } catch (error) {
       this.#loop.failed('unfinished', error);
       return;
     }
     this.#loop.succeeded('unfinished');
-    for (const [index, { project, admitted }] of counting.entries()) {
-      // What was admitted before the statement left and is not stored yet is missing from the
-      // count until the next one: a project may go over its limit by that much, for one sync.
-      project.counted = counts[index]!;
-      project.admitted -= admitted;
+    const expired = performance.now() - PENDING_EXPIRY_MS;
+    for (const [index, project] of counting.entries()) {
+      project.counted = counted.counts[index]!;
+      for (const [id, admittedAt] of project.pending) {
+        if (counted.seen.has(id) || admittedAt < expired) project.pending.delete(id);
+      }
     }
   }
 }

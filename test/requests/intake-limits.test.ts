@@ -110,6 +110,31 @@ t.test('LOOKUP_RATE_LIMIT_RPS refuses lookups beyond it, with the same 429', asy
   t.same(statuses, [200, 200, 429, 429]);
 });
 
+t.test('MAX_UNFINISHED_PER_PROJECT counts requests stored as their own: not replays, nor requests refused after admission', async (t) => {
+  // No worker: nothing finishes.
+  const gateway = await startTestGateway(t, { role: 'api', env: { MAX_UNFINISHED_PER_PROJECT: '2' } });
+  const client = clientFor(gateway.url, await gateway.createKey({ project: 'careful', mode: 'test' }));
+  const first = await client.post({ model: 'test-echo', messages: userMessage(), idempotency_key: 'once' });
+  t.equal(first.status, 202);
+  // One after the other: each counts as unfinished from its admission until it is found a replay.
+  for (let i = 0; i < 3; i++) {
+    const replay = await client.post({ model: 'test-echo', messages: userMessage(), idempotency_key: 'once' });
+    t.equal(replay.body.id, first.body.id, 'replayed');
+  }
+  const reused = await client.post({ model: 'test-echo', messages: userMessage('another prompt'), idempotency_key: 'once' });
+  t.equal(reused.status, 422, 'a key reused for another body is refused after its admission');
+  // The process counts the project's unfinished requests every 100 ms: wait for a count.
+  await sleep(300);
+  t.equal((await client.post({ model: 'test-echo', messages: userMessage() })).status, 202, 'the second request is admitted');
+  let refused = await client.post({ model: 'test-echo', messages: userMessage() });
+  for (let i = 0; i < 20 && refused.status === 202; i++) {
+    await sleep(100);
+    refused = await client.post({ model: 'test-echo', messages: userMessage() });
+  }
+  t.equal(refused.status, 429, 'then the limit');
+  t.equal(await countRows(gateway.db, 'requests'), 2, 'two stored');
+});
+
 t.test('MAX_UNFINISHED_PER_PROJECT: beyond it a 429, for that project and mode only', async (t) => {
   // No worker: nothing finishes.
   const gateway = await startTestGateway(t, { role: 'api', env: { MAX_UNFINISHED_PER_PROJECT: '3' } });

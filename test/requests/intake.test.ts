@@ -60,19 +60,22 @@ async function plantKey(pool: pg.Pool, project: string, mode: KeyMode): Promise<
 }
 
 /** Stores `count` queued requests of the key's project and mode; returns their ids. */
-async function plantUnfinished(pool: pg.Pool, auth: Auth, count: number): Promise<string[]> {
-  const ids: string[] = [];
-  for (let i = 0; i < count; i++) {
-    const id = newRequestId();
+/** Stores a queued request for each id of `ids`, as the API's insert would. */
+async function plantRequests(pool: pg.Pool, auth: Auth, ids: readonly string[]): Promise<string[]> {
+  for (const [i, id] of ids.entries()) {
     const body = JSON.stringify({ model: 'test-model', messages: [{ role: 'user', content: `planted ${i}` }] });
     await pool.query(
       `insert into gateway.requests (id, project_id, mode, api_key_id, status, model, body, body_sha256)
        values ($1, $2, $3, $4, 'queued', 'test-model', $5::json, $6)`,
       [id, auth.projectId, auth.mode, auth.keyId, body, createHash('sha256').update(body).digest()],
     );
-    ids.push(id);
   }
-  return ids;
+  return [...ids];
+}
+
+/** Stores `count` queued requests of the key's project and mode, admitted by no process here. */
+function plantUnfinished(pool: pg.Pool, auth: Auth, count: number): Promise<string[]> {
+  return plantRequests(pool, auth, Array.from({ length: count }, () => newRequestId()));
 }
 
 async function finish(pool: pg.Pool, ids: string[]): Promise<void> {
@@ -128,9 +131,9 @@ t.test('right after start, a key gets a burst of twice its rate at once, then a 
     new IntakeLimits(db, limitsOf({ rateLimitRps: 10 }), { onRefused: (mode, limit) => refused.push([mode, limit]) }),
   );
 
-  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth, SMALL_BODY)));
+  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, newRequestId())));
   t.same(burst.filter(Boolean), [], 'the first 20 are admitted');
-  const refusal = refusalOf(() => limits.admitSubmission(auth, SMALL_BODY));
+  const refusal = refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, newRequestId()));
   t.ok(isRateLimitRefusal(refusal), 'the 21st is refused with 429 rate_limit_exceeded');
   t.equal(refusal?.retryAfter, 1, 'a token comes back within a second');
   t.match(refusal?.message, /rate limit of 10 requests per second; retry after 1 s/);
@@ -148,8 +151,8 @@ t.test('lookups have a bucket of their own: a key out of submissions can still l
     }),
   );
 
-  for (let i = 0; i < 20; i++) limits.admitSubmission(auth, SMALL_BODY);
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY))), 'submissions are exhausted');
+  for (let i = 0; i < 20; i++) limits.admitSubmission(auth, SMALL_BODY, newRequestId());
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, newRequestId()))), 'submissions are exhausted');
   const lookups = Array.from({ length: 200 }, () => refusalOf(() => limits.admitLookup(auth)));
   t.same(lookups.filter(Boolean), [], 'all 200 lookups of the lookup burst are admitted');
   const refusal = refusalOf(() => limits.admitLookup(auth));
@@ -170,20 +173,20 @@ t.test('RATE_LIMIT_BYTES_PER_SECOND: a burst of twice the byte rate, then 429 un
   );
 
   for (let i = 0; i < 5; i++) t.notOk(refusalOf(() => limits.checkSubmission(auth, 15_000)), `check ${i + 1} of 15,000 bytes passes`);
-  t.notOk(refusalOf(() => limits.admitSubmission(auth, 15_000)), 'the checks took nothing: 15,000 of the 20,000 are admitted');
+  t.notOk(refusalOf(() => limits.admitSubmission(auth, 15_000, newRequestId())), 'the checks took nothing: 15,000 of the 20,000 are admitted');
   t.ok(isRateLimitRefusal(refusalOf(() => limits.checkSubmission(auth, 15_000))), 'a check now refuses the next 15,000');
-  const refusal = refusalOf(() => limits.admitSubmission(auth, 15_000));
+  const refusal = refusalOf(() => limits.admitSubmission(auth, 15_000, newRequestId()));
   t.ok(isRateLimitRefusal(refusal), 'and so does admitting them');
   t.equal(refusal?.retryAfter, 1, 'the 10,000 missing come back within a second');
   t.match(refusal?.message, /rate limit of 10000 body bytes per second; retry after 1 s/);
-  t.notOk(refusalOf(() => limits.admitSubmission(auth, 5_000)), 'a smaller body that fits what is left is admitted');
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, 100))), 'then nothing is left');
+  t.notOk(refusalOf(() => limits.admitSubmission(auth, 5_000, newRequestId())), 'a smaller body that fits what is left is admitted');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, 100, newRequestId()))), 'then nothing is left');
   t.same(refused, ['bytes_rate', 'bytes_rate', 'bytes_rate'], 'each refusal is counted as the byte rate\'s');
 
   const large = await plantKey(pool, 'largest-bodies', 'live');
   const slow = started(t, new IntakeLimits(db, limitsOf({ rateLimitBytesPerSecond: 1_024, maxBodyBytes: 1_048_576 })));
-  t.notOk(refusalOf(() => slow.admitSubmission(large, 1_048_576)), 'a byte rate below MAX_BODY_BYTES still lets one largest body through');
-  t.ok(isRateLimitRefusal(refusalOf(() => slow.admitSubmission(large, 1_048_576))), 'but not two');
+  t.notOk(refusalOf(() => slow.admitSubmission(large, 1_048_576, newRequestId())), 'a byte rate below MAX_BODY_BYTES still lets one largest body through');
+  t.ok(isRateLimitRefusal(refusalOf(() => slow.admitSubmission(large, 1_048_576, newRequestId()))), 'but not two');
 
   await limits.sync();
   const { rows } = await pool.query(
@@ -206,14 +209,14 @@ t.test('what another process admitted is taken from this one\'s bucket at its ne
   const second = new IntakeLimits(db, config);
   t.teardown(() => Promise.all([first.stop(), second.stop()]));
 
-  first.admitSubmission(auth, SMALL_BODY);
+  first.admitSubmission(auth, SMALL_BODY, newRequestId());
   await first.sync(); // reports 1; the second has admitted nothing yet
-  for (let i = 0; i < 20; i++) second.admitSubmission(auth, SMALL_BODY);
+  for (let i = 0; i < 20; i++) second.admitSubmission(auth, SMALL_BODY, newRequestId());
   await second.sync(); // reports 20; takes the first's 1 from its bucket
-  t.ok(isRateLimitRefusal(refusalOf(() => second.admitSubmission(auth, SMALL_BODY))), 'the second has spent the burst');
-  t.notOk(refusalOf(() => first.admitSubmission(auth, SMALL_BODY)), 'until it syncs, the first knows nothing of it');
+  t.ok(isRateLimitRefusal(refusalOf(() => second.admitSubmission(auth, SMALL_BODY, newRequestId()))), 'the second has spent the burst');
+  t.notOk(refusalOf(() => first.admitSubmission(auth, SMALL_BODY, newRequestId())), 'until it syncs, the first knows nothing of it');
   await first.sync();
-  const refusal = refusalOf(() => first.admitSubmission(auth, SMALL_BODY));
+  const refusal = refusalOf(() => first.admitSubmission(auth, SMALL_BODY, newRequestId()));
   t.ok(isRateLimitRefusal(refusal), 'after its sync, the first refuses too');
 
   const { rows } = await pool.query(
@@ -251,7 +254,7 @@ t.test('two API processes sharing a key at 4x its rate admit, together, what RAT
     // Offered evenly over time, alternately to each process.
     for (const due = Math.floor((elapsed * offerPerSecond) / 1000) + 1; offered < due; offered++) {
       const which = offered % 2;
-      const refusal = refusalOf(() => processes[which]!.admitSubmission(auth, SMALL_BODY));
+      const refusal = refusalOf(() => processes[which]!.admitSubmission(auth, SMALL_BODY, newRequestId()));
       if (refusal) refusals.push(refusal);
       else admittedBy[which]!++;
       lastOfferAt = elapsed;
@@ -283,7 +286,7 @@ t.test('MAX_UNFINISHED_PER_PROJECT refuses a project and mode at its limit until
   const key = await plantKey(pool, 'backlogged', 'test');
   const liveKey = await plantKey(pool, 'backlogged', 'live');
   const otherProject = await plantKey(pool, 'quiet', 'test');
-  const ids = await plantUnfinished(pool, key, 3);
+  const ids = await plantUnfinished(pool, key, 2);
   await finish(pool, await plantUnfinished(pool, key, 2)); // finished ones do not count
   const refused: IntakeLimit[] = [];
   const syncMs = 50;
@@ -293,46 +296,61 @@ t.test('MAX_UNFINISHED_PER_PROJECT refuses a project and mode at its limit until
   );
 
   // A project this process has not counted yet is admitted until its count arrives.
-  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)));
+  const first = newRequestId();
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY, first)));
+  await plantRequests(pool, key, [first]);
   await limits.sync();
-  const refusal = refusalOf(() => limits.admitSubmission(key, SMALL_BODY));
+  const refusal = refusalOf(() => limits.admitSubmission(key, SMALL_BODY, newRequestId()));
   t.ok(isRateLimitRefusal(refusal), 'refused with 429 rate_limit_exceeded once its 3 unfinished requests are counted');
   t.equal(refusal?.retryAfter, 1);
   t.match(refusal?.message, /This project has 3 test requests not yet finished, its limit \(MAX_UNFINISHED_PER_PROJECT\)/);
   t.same(refused, ['unfinished']);
-  t.notOk(refusalOf(() => limits.admitSubmission(liveKey, SMALL_BODY)), 'the same project in the other mode is admitted');
-  t.notOk(refusalOf(() => limits.admitSubmission(otherProject, SMALL_BODY)), 'another project is admitted');
+  t.notOk(refusalOf(() => limits.admitSubmission(liveKey, SMALL_BODY, newRequestId())), 'the same project in the other mode is admitted');
+  t.notOk(refusalOf(() => limits.admitSubmission(otherProject, SMALL_BODY, newRequestId())), 'another project is admitted');
 
-  await finish(pool, ids.slice(0, 2));
+  await finish(pool, ids);
   await sleep(10 * syncMs); // the periodic sync counts again
-  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'admitted again once two have finished');
-  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'and a second, counted by this process since');
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key, SMALL_BODY))), 'the third would be over the limit');
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY, newRequestId())), 'admitted again once two have finished');
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY, newRequestId())), 'and a second, counted by this process since');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key, SMALL_BODY, newRequestId()))), 'the third would be over the limit');
 });
 
-t.test('a request admitted and stored while the count waits for a connection is counted once', async (t) => {
+t.test('a request admitted and stored while a count is under way is counted once', async (t) => {
   const { url, pool } = await setup(t);
   const key = await plantKey(pool, 'steady', 'test');
   // The process's pool has one connection, which the test holds while the count waits for it.
   const processPool = createPool(url, { max: 1, applicationName: 'intake-test', logger: silent });
   t.teardown(() => processPool.end());
   const limits = new IntakeLimits(createDb(processPool), limitsOf({ maxUnfinishedPerProject: 3 }));
+  const admit = async (stored: boolean): Promise<ApiError | undefined> => {
+    const id = newRequestId();
+    const refusal = refusalOf(() => limits.admitSubmission(key, SMALL_BODY, id));
+    if (!refusal && stored) await plantRequests(pool, key, [id]);
+    return refusal;
+  };
 
-  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'the first');
-  await plantUnfinished(pool, key, 1);
+  t.notOk(await admit(true), 'the first');
   await limits.sync();
-
   const held = await processPool.connect();
   const counting = limits.sync();
-  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'the second, while the count waits');
-  await plantUnfinished(pool, key, 1);
+  t.notOk(await admit(true), 'the second, stored while the count waits');
   held.release();
   await counting;
-
-  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY)), 'the third: two are unfinished, not three');
-  await plantUnfinished(pool, key, 1);
+  t.notOk(await admit(false), 'the third: two are unfinished, not three');
   await limits.sync();
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key, SMALL_BODY))), 'the fourth is over the limit');
+  t.ok(isRateLimitRefusal(await admit(false)), 'the fourth is over the limit, the third counted while it is not stored yet');
+});
+
+t.test('an admission withdrawn counts no more', async (t) => {
+  const { pool, db } = await setup(t);
+  const key = await plantKey(pool, 'changeable', 'test');
+  const limits = new IntakeLimits(db, limitsOf({ maxUnfinishedPerProject: 1 }));
+  const id = newRequestId();
+  limits.admitSubmission(key, SMALL_BODY, id);
+  await limits.sync();
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(key, SMALL_BODY, newRequestId()))), 'at the limit with one admitted');
+  limits.withdraw(key, id);
+  t.notOk(refusalOf(() => limits.admitSubmission(key, SMALL_BODY, newRequestId())), 'withdrawn, another is admitted');
 });
 
 t.test('stale counters are deleted by a sync, and a process deletes its own when it stops', async (t) => {
@@ -346,7 +364,7 @@ t.test('stale counters are deleted by a sync, and a process deletes its own when
   );
   const limits = new IntakeLimits(db, limitsOf({ rateLimitRps: 10, lookupRateLimitRps: 100 }));
   limits.start();
-  for (let i = 0; i < 3; i++) limits.admitSubmission(auth, SMALL_BODY);
+  for (let i = 0; i < 3; i++) limits.admitSubmission(auth, SMALL_BODY, newRequestId());
   limits.admitLookup(auth);
   await limits.sync();
   const counters = async () =>
@@ -366,7 +384,7 @@ t.test('keys and projects not seen for a while are forgotten', async (t) => {
     t,
     new IntakeLimits(db, limitsOf({ rateLimitRps: 100, lookupRateLimitRps: 1000, maxUnfinishedPerProject: 10 }), { syncMs: 10 }),
   );
-  limits.admitSubmission(auth, SMALL_BODY);
+  limits.admitSubmission(auth, SMALL_BODY, newRequestId());
   limits.admitLookup(auth);
   t.equal(limits.size, 3, 'two buckets and a project');
   await until(() => limits.size === 0, 'the key and the project are forgotten', 3_000);
@@ -384,13 +402,13 @@ t.test('a database out of reach does not fail admissions: they are decided local
     new IntakeLimits(createDb(pool), limitsOf({ rateLimitRps: 10, maxUnfinishedPerProject: 100 }), { logger, syncMs: 20 }),
   );
 
-  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth, SMALL_BODY)));
+  const burst = Array.from({ length: 20 }, () => refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, newRequestId())));
   t.same(burst.filter(Boolean), [], 'the burst is admitted');
   await until(() => lines.filter((line) => line.includes('"intake limits still not synchronised"')).length >= 4, 'several failed syncs');
-  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY))), 'the local bucket still refuses the 21st');
+  t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, newRequestId()))), 'the local bucket still refuses the 21st');
   const warnings = lines.filter((line) => line.includes('"level":"warn"') && line.includes('could not synchronise the intake limits'));
   t.equal(warnings.length, 2, 'one warning for each statement failing (counters, unfinished), however often it fails');
   await sleep(200);
-  t.notOk(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY)), 'the bucket refills meanwhile');
+  t.notOk(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, newRequestId())), 'the bucket refills meanwhile');
   await limits.stop();
 });
