@@ -18,8 +18,9 @@ export interface Queue extends QueueKey {
   id: string;
 }
 
-// pg_advisory_xact_lock key for "create a queue for a model only a pattern serves": an
-// arbitrary constant, fixed forever (db/migrate.ts has the one before it).
+// pg_advisory_xact_lock key for "create a queue for a model only a pattern serves", which
+// gateway.create_pattern_queue (sql/000021.sql) takes: an arbitrary constant, fixed forever
+// (db/migrate.ts has the one before it). test/lanes/pattern-models.test.ts holds it.
 export const PATTERN_QUEUES_LOCK = 7_242_318_002;
 
 /**
@@ -46,28 +47,20 @@ export async function useQueue(db: Db, key: QueueKey): Promise<string | undefine
 /**
  * The queue of a model that only a pattern serves, as ensureQueue gives it; but a new one only
  * while fewer than `max` queues of the mode are for models that `named` does not hold (the
- * models the configuration lists by name): undefined when it would be one too many. Creations
- * take their turns (an advisory lock), so that the bound holds across processes. A caller looks
- * for the queue with useQueue first: this holds a connection behind the lock.
+ * models the configuration lists by name): undefined when it would be one too many. One
+ * statement (gateway.create_pattern_queue, sql/000021.sql): creations take their turns behind an
+ * advisory lock (PATTERN_QUEUES_LOCK), held only while the server runs it, so that the bound holds
+ * across processes. A caller looks for the queue with useQueue first.
  */
 export async function createPatternQueue(
   db: Db,
   key: QueueKey,
   bound: { max: number; named: readonly string[] },
 ): Promise<string | undefined> {
-  return db.transaction().execute(async (tx) => {
-    await sql`select pg_advisory_xact_lock(${PATTERN_QUEUES_LOCK}::bigint)`.execute(tx);
-    // Another process may have created it meanwhile.
-    const found = await useQueue(tx, key);
-    if (found !== undefined) return found;
-    const { rows: counted } = await sql<{ queues: number }>`
-      select count(*)::int as queues from (
-        select from gateway.queues where mode = ${key.mode} and model <> all(${bound.named}::text[]) limit ${bound.max}
-      ) as unnamed
-    `.execute(tx);
-    if (counted[0]!.queues >= bound.max) return undefined;
-    return ensureQueue(tx, key);
-  });
+  const { rows } = await sql<{ id: string | null }>`
+    select gateway.create_pattern_queue(${key.mode}, ${key.model}, ${bound.max}::int, ${bound.named}::text[]) as id
+  `.execute(db);
+  return rows[0]!.id ?? undefined;
 }
 
 export async function findQueue(db: Db, id: string): Promise<Queue | undefined> {
