@@ -30,7 +30,12 @@ export class ApiError extends Error {
     message: string,
     options: { param?: string | null; retryAfter?: number } = {},
   ) {
+    // A 4xx is an answer to the client, not a fault of ours: it carries no stack, whose capture
+    // would cost more than the rest of the answer when a client sends thousands of bad requests.
+    const stackTraceLimit = Error.stackTraceLimit;
+    if (status < 500) Error.stackTraceLimit = 0;
     super(message);
+    Error.stackTraceLimit = stackTraceLimit;
     this.status = status;
     this.type = type;
     this.code = code;
