@@ -45,10 +45,15 @@ export type InsertResult =
  * One add_jobs call wakes each queue of the group (graphile-worker's NOTIFY, taken once per
  * commit, is what limits one-request transactions), unless the queue waits for its lanes anyway
  * and has its dispatch scheduled (queues.wake_at). The jobs are due `dispatchDelayMs` from now: at
- * once, unless the caller dispatches the requests itself and they are only its fallback. A nonce
- * and its request are stored together or not at all. Returns one result per item, in order.
+ * once, unless the caller dispatches the requests itself and they are only its fallback. A
+ * fallback is keyed by its queue (`dispatch_fallback:<queue id>`) and keeps the time it is due
+ * when added again, so that a queue has one pending however many requests it accepts: one job,
+ * due `dispatchDelayMs` after the oldest of them, in place of one job per statement that each
+ * runs a claim finding nothing (the process has claimed them). A nonce and its request are stored
+ * together or not at all. Returns one result per item, in order.
  */
 export async function insertRequests(db: Db, items: readonly Item[], dispatchDelayMs = 0): Promise<InsertResult[]> {
+  const fallback = dispatchDelayMs > 0;
   const { rows } = await sql<
     { ord: string; nonce_accepted: boolean } & Nullable<Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>>
   >`
@@ -77,9 +82,11 @@ export async function insertRequests(db: Db, items: readonly Item[], dispatchDel
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
         select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null,
-                   now() + ${dispatchDelayMs}::float8 * interval '1 millisecond', null, null, null, null)::graphile_worker.job_spec
-        from woken
-      ))
+                   now() + ${dispatchDelayMs}::float8 * interval '1 millisecond', null,
+                   case when ${fallback}::boolean then ${FALLBACK_KEY_PREFIX} || queue_id end, null, null)::graphile_worker.job_spec
+        -- In one order, so that statements updating the same queues' fallbacks cannot deadlock.
+        from woken order by queue_id
+      ), job_key_preserve_run_at => true)
       where exists (select from woken)
     )
     -- Joined to the jobs, so that add_jobs runs (once, for all) whenever a queue is to be woken.
@@ -105,6 +112,9 @@ export async function insertRequests(db: Db, items: readonly Item[], dispatchDel
     };
   });
 }
+
+/** The job key of a queue's fallback dispatch: `dispatch_fallback:<queue id>`. */
+export const FALLBACK_KEY_PREFIX = 'dispatch_fallback:';
 
 type Item = { request: NewRequest; nonce: Nonce | undefined };
 

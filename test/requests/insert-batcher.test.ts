@@ -1,5 +1,6 @@
 // Group commit: concurrent submissions share statements, and every one still gets its own,
 // correct answer.
+import type pg from 'pg';
 import t from 'tap';
 import { newRequestId } from '../../src/ids.ts';
 import { InsertBatcher } from '../../src/requests/insert-batcher.ts';
@@ -8,6 +9,7 @@ import { startTestGateway } from '../helpers/gateway.ts';
 import { send } from '../helpers/http.ts';
 import { countRows, dispatchJobs, requestRow, waitForRow } from '../helpers/rows.ts';
 import { signature } from '../helpers/signing.ts';
+import { until } from '../helpers/wait.ts';
 
 async function setup(t: Parameters<typeof startTestGateway>[0]) {
   const gateway = await startTestGateway(t, { role: 'api' });
@@ -47,18 +49,28 @@ t.test('concurrent inserts share statements; each gets its own row, and each sta
   t.equal(waiting.rows[0].count, 200, 'every request queued and due');
 });
 
-t.test('with dispatchDelayMs, the dispatch jobs are due that much later, and a worker runs the requests then', async (t) => {
+t.test('with dispatchDelayMs, a queue has one dispatch job, due that much after its first request, and a worker runs the requests then', async (t) => {
   const { gateway, request } = await setup(t);
   const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1, dispatchDelayMs: 1_000 });
   const [result] = await Promise.all([batcher.insert(request(), undefined), batcher.insert(request(), undefined)]);
   t.equal(result!.kind, 'inserted');
+  for (let i = 0; i < 3; i++) await batcher.insert(request(), undefined);
+  t.ok(batcher.stats.statements >= 4, `${batcher.stats.statements} statements`);
   const jobs = await dispatchJobs(gateway.db);
+  t.equal(jobs.length, 1, 'one job for the queue, however many statements added it');
   const row = await requestRow(gateway.db, (result as { answer: { id: string } }).answer.id);
-  t.equal(jobs[0]!.run_at.getTime() - row!.created_at.getTime(), 1_000, 'due a second after the insert');
+  t.equal(jobs[0]!.run_at.getTime() - row!.created_at.getTime(), 1_000, 'due a second after the first insert');
   await startTestGateway(t, { role: 'worker', databaseUrl: gateway.databaseUrl });
   const done = await waitForRow(gateway.db, row!.id, (current) => current.status === 'completed');
   t.ok(done.finished_at! >= jobs[0]!.run_at, 'completed once its job was due, with nothing else dispatching it');
+  await until(async () => (await countRows(gateway.db, 'requests')) === 5 && (await unfinished(gateway.pool)) === 0, 'the queue\'s other requests to complete by the same job');
+  t.pass('all five completed');
 });
+
+async function unfinished(pool: pg.Pool): Promise<number> {
+  const { rows } = await pool.query(`select count(*)::int as count from gateway.requests where finished_at is null`);
+  return rows[0].count;
+}
 
 t.test('within one group: a repeated nonce is a replay, a repeated idempotency key one request', async (t) => {
   const { gateway, key, request } = await setup(t);
