@@ -1,7 +1,7 @@
 -- 000021: gateway.create_pattern_queue, the creation of a queue for a model that only a pattern
 -- of the upstreams file serves, in one round trip.
 --
--- Such queues are bounded (MAX_PATTERN_QUEUES per mode), and creations take their turns behind an
+-- Such queues are bounded (MAX_PATTERN_MODELS per mode), and creations take their turns behind an
 -- advisory lock so that the bound holds across API processes. Held by a transaction of several
 -- statements, the lock lasted the round trips between them, and a flood of invented model names
 -- kept API connections idle in a transaction while the others queued for the lock. As one
