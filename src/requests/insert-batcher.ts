@@ -9,6 +9,14 @@ import type { Db } from '../db/pool.ts';
 import type { Nonce } from '../keys/repository.ts';
 import { insertRequests, type InsertResult, type NewRequest } from './insert-repository.ts';
 
+// A queue whose fallback dispatch job this process added is given no other while that job is due
+// more than this much later: a statement adds none for it (no add_jobs call, no NOTIFY), and the
+// job still covers its requests, due at most OWN_DISPATCH_FALLBACK_MS after them. Once the job
+// is this close to running, the next statement adds the queue's next one.
+const FALLBACK_MARGIN_MS = 500;
+// Queues remembered at most before the fallbacks already due are forgotten.
+const MAX_FALLBACKS = 10_000;
+
 // Bodies larger than this are grouped apart and written a statement at a time, so that a project
 // sending large ones does not hold every other project's requests up behind them: a group of
 // megabytes takes Postgres a while to write, and a queue of them would take every slot.
@@ -35,9 +43,17 @@ export class InsertBatcher {
   readonly #small: Batcher<Item, InsertResult>;
   readonly #large: Batcher<Item, InsertResult>;
 
+  /**
+   * The fallback dispatch jobs this process added, by queue: when each is due (performance.now()
+   * milliseconds). A cache: a job is only ever taken for pending while Postgres said so, less the
+   * margin.
+   */
+  readonly #fallbackDue = new Map<string, number>();
+
   constructor(db: Db, options: InsertBatcherOptions = {}) {
+    const delayMs = options.dispatchDelayMs ?? 0;
     const batcher = (maxInFlight: number) =>
-      new Batcher<Item, InsertResult>((items) => writeGroup(db, items, options.dispatchDelayMs ?? 0), {
+      new Batcher<Item, InsertResult>((items) => this.#write(db, items, delayMs), {
         maxInFlight,
         maxBatch: options.maxBatch ?? 500,
         maxBytes: { max: GROUP_BYTES, sizeOf: (item) => Buffer.byteLength(item.request.body) },
@@ -59,9 +75,30 @@ export class InsertBatcher {
     const batcher = Buffer.byteLength(request.body) > LARGE_BODY_BYTES ? this.#large : this.#small;
     return batcher.submit({ request, nonce });
   }
-}
 
-function writeGroup(db: Db, items: Item[], dispatchDelayMs: number): Promise<InsertResult[]> {
-  const nonceKey = (item: Item) => item.nonce && `${item.nonce.api_key_id}\n${item.nonce.nonce}`;
-  return writeFirsts(items, nonceKey, (firsts) => insertRequests(db, firsts, dispatchDelayMs), { kind: 'replayed_nonce' });
+  #write(db: Db, items: Item[], delayMs: number): Promise<InsertResult[]> {
+    const nonceKey = (item: Item) => item.nonce && `${item.nonce.api_key_id}\n${item.nonce.nonce}`;
+    return writeFirsts(
+      items,
+      nonceKey,
+      async (firsts) => {
+        const covered = delayMs > 0 ? this.#covered(firsts) : [];
+        const { results, fallbacks } = await insertRequests(db, firsts, { delayMs, covered });
+        const now = performance.now();
+        for (const [queueId, dueInMs] of fallbacks) this.#fallbackDue.set(queueId, now + dueInMs);
+        return results;
+      },
+      { kind: 'replayed_nonce' },
+    );
+  }
+
+  /** The group's queues whose fallback job is pending and not about to run. */
+  #covered(items: readonly Item[]): string[] {
+    const now = performance.now();
+    if (this.#fallbackDue.size > MAX_FALLBACKS) {
+      for (const [queueId, due] of this.#fallbackDue) if (due <= now) this.#fallbackDue.delete(queueId);
+    }
+    const queues = new Set(items.map((item) => item.request.queue_id));
+    return [...queues].filter((queueId) => (this.#fallbackDue.get(queueId) ?? -Infinity) - now > FALLBACK_MARGIN_MS);
+  }
 }

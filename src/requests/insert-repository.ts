@@ -48,14 +48,19 @@ export type InsertResult =
  * once, unless the caller dispatches the requests itself and they are only its fallback. A
  * fallback is keyed by its queue (`dispatch_fallback:<queue id>`) and keeps the time it is due
  * when added again, so that a queue has one pending however many requests it accepts: one job,
- * due `dispatchDelayMs` after the oldest of them, in place of one job per statement that each
- * runs a claim finding nothing (the process has claimed them). A nonce and its request are stored
- * together or not at all. Returns one result per item, in order.
+ * due `delayMs` after the oldest of them, in place of one job per statement that each runs a
+ * claim finding nothing (the process has claimed them). The queues `covered` (their fallback is
+ * known to be pending, and not about to run) get no job at all: the statement then makes no
+ * add_jobs call, nor its NOTIFY, for them. A nonce and its request are stored together or not at
+ * all. Returns one result per item, in order, and when each fallback added is due.
  */
-export async function insertRequests(db: Db, items: readonly Item[], dispatchDelayMs = 0): Promise<InsertResult[]> {
-  const fallback = dispatchDelayMs > 0;
+export async function insertRequests(db: Db, items: readonly Item[], dispatch: Dispatch = { delayMs: 0 }): Promise<Inserted> {
+  const fallback = dispatch.delayMs > 0;
+  const covered = fallback ? (dispatch.covered ?? []) : [];
   const { rows } = await sql<
-    { ord: string; nonce_accepted: boolean } & Nullable<Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>>
+    { ord: string; nonce_accepted: boolean; fallbacks: Record<string, number> | null } & Nullable<
+      Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>
+    >
   >`
     with input as (${inputRows(items)}), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
@@ -78,26 +83,30 @@ export async function insertRequests(db: Db, items: readonly Item[], dispatchDel
     ), woken as (
       select distinct inserted.queue_id from inserted
       where not exists (select from gateway.queues where queues.id = inserted.queue_id and queues.wake_at > now())
+        and inserted.queue_id <> all(${covered}::bigint[])
     ), jobs as (
-      select count(*) as jobs
+      -- Each fallback added (or found, keeping its time), and how many milliseconds until it is due.
+      select json_object_agg(added.payload->>'queue_id', extract(epoch from added.run_at - now()) * 1000)
+               filter (where added.key is not null) as fallbacks
       from graphile_worker.add_jobs(array(
         select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null,
-                   now() + ${dispatchDelayMs}::float8 * interval '1 millisecond', null,
+                   now() + ${dispatch.delayMs}::float8 * interval '1 millisecond', null,
                    case when ${fallback}::boolean then ${FALLBACK_KEY_PREFIX} || queue_id end, null, null)::graphile_worker.job_spec
         -- In one order, so that statements updating the same queues' fallbacks cannot deadlock.
         from woken order by queue_id
-      ), job_key_preserve_run_at => true)
+      ), job_key_preserve_run_at => true) as added
       where exists (select from woken)
     )
     -- Joined to the jobs, so that add_jobs runs (once, for all) whenever a queue is to be woken.
-    select input.ord, accepted.id is not null as nonce_accepted, inserted.id, inserted.status, inserted.created_at
+    select input.ord, accepted.id is not null as nonce_accepted, inserted.id, inserted.status, inserted.created_at,
+           jobs.fallbacks
     from input
     cross join jobs
     left join accepted on accepted.ord = input.ord
     left join inserted on inserted.id = input.id
     order by input.ord
   `.execute(db);
-  return rows.map((row, index): InsertResult => {
+  const results = rows.map((row, index): InsertResult => {
     if (!row.nonce_accepted) return { kind: 'replayed_nonce' };
     if (row.id === null) return { kind: 'idempotency_key_taken' };
     return {
@@ -111,6 +120,21 @@ export async function insertRequests(db: Db, items: readonly Item[], dispatchDel
       },
     };
   });
+  return { results, fallbacks: new Map(Object.entries(rows[0]?.fallbacks ?? {})) };
+}
+
+/** How the requests of a statement have their queues dispatched. */
+export interface Dispatch {
+  /** How long their dispatch jobs wait before they are due: 0, at once; else they are fallbacks. */
+  delayMs: number;
+  /** Queues whose fallback is known to be pending and not about to run: no job is added for them. */
+  covered?: readonly string[] | undefined;
+}
+
+export interface Inserted {
+  results: InsertResult[];
+  /** Each queue given a fallback job (or whose pending one was found): milliseconds until it is due. */
+  fallbacks: Map<string, number>;
 }
 
 /** The job key of a queue's fallback dispatch: `dispatch_fallback:<queue id>`. */

@@ -72,6 +72,18 @@ async function unfinished(pool: pg.Pool): Promise<number> {
   return rows[0].count;
 }
 
+t.test('a queue whose fallback is pending gets no other add_jobs call until that one is about to run', async (t) => {
+  const { gateway, request } = await setup(t);
+  const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1, dispatchDelayMs: 60_000 });
+  for (let i = 0; i < 5; i++) await batcher.insert(request(), undefined);
+  t.equal(batcher.stats.statements, 5);
+  const { rows } = await gateway.pool.query(
+    `select key, revision from graphile_worker._private_jobs where key like 'dispatch_fallback:%'`,
+  );
+  t.equal(rows.length, 1, 'one fallback job');
+  t.equal(rows[0].revision, 0, 'added by the first statement only: the others found it pending');
+});
+
 t.test('within one group: a repeated nonce is a replay, a repeated idempotency key one request', async (t) => {
   const { gateway, key, request } = await setup(t);
   const batcher = new InsertBatcher(gateway.db, { maxInFlight: 1 });
