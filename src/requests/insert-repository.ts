@@ -44,11 +44,11 @@ export type InsertResult =
  * were signed, and the requests whose nonce was new (or that had none), each in its queue.
  * One add_jobs call wakes each queue of the group (graphile-worker's NOTIFY, taken once per
  * commit, is what limits one-request transactions), unless the queue waits for its lanes anyway
- * and has its dispatch scheduled (queues.wake_at). The jobs are due `dispatchDelayMs` from now: at
+ * and has its dispatch scheduled (queues.wake_at). The jobs are due `dispatch.delayMs` from now: at
  * once, unless the caller dispatches the requests itself and they are only its fallback. A
  * fallback is keyed by its queue (`dispatch_fallback:<queue id>`) and keeps the time it is due
  * when added again, so that a queue has one pending however many requests it accepts: one job,
- * due `delayMs` after the oldest of them, in place of one job per statement that each runs a
+ * due `dispatch.delayMs` after the oldest of them, in place of one job per statement that each runs a
  * claim finding nothing (the process has claimed them). The queues `covered` (their fallback is
  * known to be pending, and not about to run) get no job at all: the statement then makes no
  * add_jobs call, nor its NOTIFY, for them. A nonce and its request are stored together or not at
