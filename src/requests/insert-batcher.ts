@@ -11,7 +11,7 @@ import { insertRequests, type InsertResult, type NewRequest } from './insert-rep
 
 // A queue whose fallback dispatch job this process added is given no other while that job is due
 // more than this much later: a statement adds none for it (no add_jobs call, no NOTIFY), and the
-// job still covers its requests, due at most OWN_DISPATCH_FALLBACK_MS after them. Once the job
+// job still covers its requests, due at most dispatchDelayMs after them. Once the job
 // is this close to running, the next statement adds the queue's next one.
 const FALLBACK_MARGIN_MS = 500;
 // Queues remembered at most before the fallbacks already due are forgotten.
@@ -83,9 +83,11 @@ export class InsertBatcher {
       nonceKey,
       async (firsts) => {
         const covered = delayMs > 0 ? this.#covered(firsts) : [];
+        // Counted from before the statement was sent, which its transaction began after: a job
+        // is never thought due later than it is, however long the statement took.
+        const sent = performance.now();
         const { results, fallbacks } = await insertRequests(db, firsts, { delayMs, covered });
-        const now = performance.now();
-        for (const [queueId, dueInMs] of fallbacks) this.#fallbackDue.set(queueId, now + dueInMs);
+        for (const [queueId, dueInMs] of fallbacks) this.#fallbackDue.set(queueId, sent + dueInMs);
         return results;
       },
       { kind: 'replayed_nonce' },
