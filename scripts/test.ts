@@ -6,12 +6,11 @@ import { existsSync, statSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
 import os from 'node:os';
 import path from 'node:path';
-import pg from 'pg';
 import { loadConfig } from '../src/config.ts';
 import { migrate } from '../src/db/migrate.ts';
 import { createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
-import { urlForDatabase } from '../test/helpers/database.ts';
+import { adminQuery, urlForDatabase } from '../test/helpers/database.ts';
 import { scriptPostgres } from './scratch-postgres.ts';
 
 const config = loadConfig();
@@ -23,7 +22,7 @@ const template = `gateway_test_template_${randomBytes(4).toString('hex')}`;
 
 let exitCode = 1;
 try {
-  await withClient(adminUrl, (client) => client.query(`create database ${template}`));
+  await adminQuery(adminUrl, (client) => client.query(`create database ${template}`));
   const pool = createPool(urlForDatabase(adminUrl, template), { max: 2, applicationName: 'gateway-test-setup', logger });
   await migrate(pool, logger).finally(() => pool.end());
 
@@ -36,7 +35,7 @@ try {
     NODE_COMPILE_CACHE: process.env.NODE_COMPILE_CACHE ?? path.join(os.tmpdir(), 'node-compile-cache'),
   });
 } finally {
-  await withClient(adminUrl, (client) => client.query(`drop database if exists ${template}`)).catch((error) =>
+  await adminQuery(adminUrl, (client) => client.query(`drop database if exists ${template}`)).catch((error) =>
     logger.warn({ err: error }, 'could not drop the template database'),
   );
   await server.stop();
@@ -55,14 +54,4 @@ function runTap(args: string[], env: Record<string, string>): Promise<number> {
   const reporter = process.env.CI ? ['--reporter=tap'] : [];
   const child = spawn('tap', [...reporter, ...args], { stdio: 'inherit', env: { ...process.env, ...env } });
   return new Promise((resolve) => child.on('exit', (code, signal) => resolve(code ?? (signal ? 1 : 0))));
-}
-
-async function withClient<T>(url: string, run: (client: pg.Client) => Promise<T>): Promise<T> {
-  const client = new pg.Client({ connectionString: url });
-  await client.connect();
-  try {
-    return await run(client);
-  } finally {
-    await client.end();
-  }
 }

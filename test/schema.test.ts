@@ -21,17 +21,20 @@ t.test('every column of the gateway schema has a comment', async (t) => {
 
 t.test('request bodies and results are compressed with lz4 on a server that has it, and with its default elsewhere', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
-  const { rows: settings } = await gateway.pool.query<{ lz4: boolean }>(
-    `select coalesce(bool_or('lz4' = any (enumvals)), false) as lz4 from pg_settings where name = 'default_toast_compression'`,
-  );
+  const { rows: server } = await gateway.pool.query<{ version: number; lz4: boolean }>(`
+    select current_setting('server_version_num')::int as version,
+           coalesce((select 'lz4' = any (enumvals) from pg_settings where name = 'default_toast_compression'), false) as lz4
+  `);
+  const { version, lz4 } = server[0]!;
+  if (version < 140_000) {
+    // Postgres 13 compresses with pglz only, and has no per-column setting to check.
+    t.notOk(lz4, 'Postgres 13 has no lz4');
+    return;
+  }
   const { rows } = await gateway.pool.query<{ name: string; compression: string }>(`
     select attname as name, attcompression::text as compression from pg_attribute
     where attrelid = 'gateway.requests'::regclass and attname in ('body', 'result') order by attname
-  `).catch(() => ({ rows: [] as { name: string; compression: string }[] })); // attcompression: Postgres 14 and newer
-  const expected = settings[0]!.lz4 ? 'l' : '';
-  t.same(
-    rows,
-    rows.length === 0 ? [] : [{ name: 'body', compression: expected }, { name: 'result', compression: expected }],
-    settings[0]!.lz4 ? 'lz4 on both' : 'the server has no lz4: the default on both',
-  );
+  `);
+  const expected = lz4 ? 'l' : '';
+  t.same(rows, [{ name: 'body', compression: expected }, { name: 'result', compression: expected }], lz4 ? 'lz4 on both' : 'the server has no lz4: the default on both');
 });

@@ -138,7 +138,7 @@ export interface Inserted {
 }
 
 /** The job key of a queue's fallback dispatch: `dispatch_fallback:<queue id>`. */
-export const FALLBACK_KEY_PREFIX = 'dispatch_fallback:';
+const FALLBACK_KEY_PREFIX = 'dispatch_fallback:';
 
 type Item = { request: NewRequest; nonce: Nonce | undefined };
 

@@ -1,7 +1,7 @@
 // RATE_LIMIT_RPS, LOOKUP_RATE_LIMIT_RPS and RATE_LIMIT_BYTES_PER_SECOND: a token bucket per API
-// key and kind (submissions, lookups, body bytes), decided in the API process from its own state, which it brings in line with the
-// other processes' in the background, so that a request costs no database round trip and the
-// limit holds across processes approximately, lagging by one sync.
+// key and kind (submissions, lookups, body bytes), decided in the API process from its own state,
+// which it brings in line with the other processes' in the background, so that a request costs
+// no database round trip and the limit holds across processes approximately, lagging by one sync.
 //
 // Each bucket starts full. Every sync the process adds what it admitted to its counters in
 // gateway.intake_counters and reads the sum of the other processes' counters for the keys it

@@ -45,11 +45,11 @@ export async function createTestDatabase(t: Teardown): Promise<string> {
 
 /** Runs `run` on a connection of its own to `url` (as the harness's admin role, unless `url` names
  * another), closed after. */
-export async function adminQuery(url: string, run: (client: pg.Client) => Promise<void>): Promise<void> {
+export async function adminQuery<T>(url: string, run: (client: pg.Client) => Promise<T>): Promise<T> {
   const client = new pg.Client({ connectionString: url });
   await client.connect();
   try {
-    await run(client);
+    return await run(client);
   } finally {
     await client.end();
   }

@@ -89,9 +89,13 @@ t.test('a waiter in the process of the worker that completed its request is hand
   t.equal(answer.text, rows[0].result, 'and is the answer');
 });
 
+/** Waiters of no database: told of completions only by the test (their listener never connects). */
+function waitersAlone(): Waiters {
+  return new Waiters(new Listener('postgres://127.0.0.1:9/none', createLogger({ logLevel: 'silent' })));
+}
+
 t.test('a completion handed over before or during the wait ends it with the result', async (t) => {
-  const listener = new Listener('postgres://127.0.0.1:9/none', createLogger({ logLevel: 'silent' }));
-  const waiters = new Waiters(listener);
+  const waiters = waitersAlone();
   const early = waiters.watch('req_early');
   waiters.completed('req_early', '{"early":true}');
   t.equal(await early.next(1_000), 'completed', 'handed over before the wait began');
@@ -108,8 +112,7 @@ t.test('a completion handed over before or during the wait ends it with the resu
 });
 
 t.test('a waiter reading its row hears of a result handed over meanwhile, or already', async (t) => {
-  const listener = new Listener('postgres://127.0.0.1:9/none', createLogger({ logLevel: 'silent' }));
-  const waiters = new Waiters(listener);
+  const waiters = waitersAlone();
   const watch = waiters.watch('req_racing');
   waiters.wake(['req_racing']); // its NOTIFY, first
   t.equal(await watch.next(1_000), 'changed', 'woken to read its row');
