@@ -146,17 +146,20 @@ t.test('a poison request is charged and fails after MAX_ATTEMPTS, while the lane
     JSON.stringify(call.body).includes('POISON') ? { status: 500 } : { status: 200, json: completionFor(call.body) },
   );
   const file = await upstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: ['gpt-test'] }]);
-  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, MAX_ATTEMPTS: '5', RETRY_BASE_MS: '100', RETRY_MAX_MS: '200' } });
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, MAX_ATTEMPTS: '5', RETRY_BASE_MS: '300', RETRY_MAX_MS: '600' } });
   const key = await gateway.createKey({ mode: 'live' });
   const [poison] = await submit(gateway, key, 'gpt-test', 1, 'POISON');
   const healthy: string[] = [];
   let lanes = new Set<string>();
-  for (let i = 0; i < 20; i++) {
+  // Other requests succeed on the lane all along, several between two of the poison request's
+  // attempts however slow the machine: its attempts are then charged.
+  const poisonFailed = async () => (await requestRows(gateway, [poison!]))[0].status === 'failed';
+  for (let i = 0; i < 200 && !(await poisonFailed()); i++) {
     healthy.push(...(await submit(gateway, key, 'gpt-test', 2, `fine ${i}`)));
     lanes = lanes.add((await laneState(gateway, 'primary'))?.health ?? 'healthy');
     await sleep(100);
   }
-  await until(async () => (await requestRows(gateway, [poison!]))[0].status === 'failed', 'the poison request to fail', 10_000);
+  await until(poisonFailed, 'the poison request to fail', 10_000);
   const failed = (await requestRows(gateway, [poison!]))[0];
   t.match(failed, { charged_attempts: 5, last_error_code: 'upstream_server_error' }, 'failed once 5 attempts were charged');
   // (an attempt with no success on the lane since the one before is not charged)
