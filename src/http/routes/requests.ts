@@ -1,7 +1,7 @@
 // GET /v1/requests/{id} and POST /v1/requests/{id}/cancel (docs/api.md, "Looking up a request"
 // and "Cancelling a request"): both answer the request record.
 import type { RouterMiddleware } from '@koa/router';
-import { recordJson } from '../../requests/record.ts';
+import { recordBody } from '../../requests/record.ts';
 import { cancel, lookup, type RequestDeps } from '../../requests/service.ts';
 import type { GatewayState } from '../context.ts';
 
@@ -9,7 +9,7 @@ export function getRequest(deps: Pick<RequestDeps, 'reads' | 'intake'>): RouterM
   return async (ctx) => {
     const row = await lookup(deps, ctx.state.auth, ctx.params.id ?? '');
     ctx.type = 'application/json';
-    ctx.body = recordJson(row);
+    ctx.body = recordBody(row);
   };
 }
 
@@ -17,6 +17,6 @@ export function cancelRequest(deps: Pick<RequestDeps, 'db' | 'intake' | 'metrics
   return async (ctx) => {
     const row = await cancel(deps, ctx.state.auth, ctx.params.id ?? '', { signature: ctx.state.signature });
     ctx.type = 'application/json';
-    ctx.body = recordJson(row);
+    ctx.body = recordBody(row);
   };
 }
