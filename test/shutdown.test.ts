@@ -45,7 +45,8 @@ t.test('gateway serve exits 0 on SIGTERM', async (t) => {
     HOST: '127.0.0.1',
     LOG_LEVEL: 'info',
   });
-  await until(() => serve.output().includes('gateway started'), () => `gateway serve to start: ${serve.output()}`, 6_000);
+  // (A start takes a second here, and several when the machine is busy: the test is of the exit.)
+  await until(() => serve.output().includes('gateway started'), () => `gateway serve to start: ${serve.output()}`, 30_000);
   t.equal((await serve.kill('SIGTERM'))?.code, 0);
   t.match(serve.output(), /shut down cleanly/);
 });
