@@ -13,6 +13,7 @@
 // same channel (sql/000011.sql), and any announcement forgets every miss, and keeps a read
 // under way from remembering one.
 import type { KeyObject } from 'node:crypto';
+import { LRUCache } from 'lru-cache';
 import type { Listener } from '../db/listener.ts';
 import type { Auth } from './auth.ts';
 
@@ -22,23 +23,22 @@ const CREATED = 'created:';
 
 interface Entry {
   auth: Auth;
-  keySha256: string;
-  expiresAt: number;
   signingKey?: KeyObject;
 }
 
 export class KeyCache {
-  readonly #byKeyId = new Map<string, Entry>();
-  readonly #keyIdBySha = new Map<string, string>();
-  /** Key hashes (hex) read and not found, with when that stops counting; oldest first. */
-  readonly #misses = new Map<string, number>();
+  /**
+   * Keys by their hash (hex), each for ttlMs after it was read; at most maxEntries, the least
+   * recently used making room (lru-cache: bounds and expiry are its job, not ours).
+   */
+  readonly #bySha: LRUCache<string, Entry>;
+  /** Which hash each cached key id is under, for a change announced by key id. */
+  readonly #shaByKeyId = new Map<string, string>();
+  /** Key hashes (hex) read and not found, each for missTtlMs; at most maxMisses. */
+  readonly #misses: LRUCache<string, true>;
   /** Counts announcements: a read that saw one while under way remembers no miss. */
   #announcements = 0;
   readonly #listener: Listener;
-  readonly #ttlMs: number;
-  readonly #maxEntries: number;
-  readonly #missTtlMs: number;
-  readonly #maxMisses: number;
   /**
    * Reads under way, by key hash (hex), each with the announcements counted when it began. An
    * invalidation empties it: no later miss joins a read begun before it, and such a read is not
@@ -53,10 +53,15 @@ export class KeyCache {
     options: { ttlMs?: number; maxEntries?: number; missTtlMs?: number; maxMisses?: number } = {},
   ) {
     this.#listener = listener;
-    this.#ttlMs = options.ttlMs ?? 60_000;
-    this.#maxEntries = options.maxEntries ?? 10_000;
-    this.#missTtlMs = options.missTtlMs ?? 5_000;
-    this.#maxMisses = options.maxMisses ?? 10_000;
+    this.#bySha = new LRUCache<string, Entry>({
+      max: options.maxEntries ?? 10_000,
+      ttl: options.ttlMs ?? 60_000,
+      // However an entry goes (expired, evicted, replaced, forgotten), its key id goes with it.
+      dispose: (entry, sha) => {
+        if (this.#shaByKeyId.get(entry.auth.keyId) === sha) this.#shaByKeyId.delete(entry.auth.keyId);
+      },
+    });
+    this.#misses = new LRUCache<string, true>({ max: options.maxMisses ?? 10_000, ttl: options.missTtlMs ?? 5_000 });
     listener.subscribe(KEYS_CHANNEL, {
       // A creation can only turn a miss into a key: a read under way may still be cached.
       notification: (payload) => (payload.startsWith(CREATED) ? this.#forgetMisses() : this.forget(payload)),
@@ -66,7 +71,7 @@ export class KeyCache {
   }
 
   get size(): number {
-    return this.#byKeyId.size;
+    return this.#bySha.size;
   }
 
   /** How many key hashes are remembered as not found. */
@@ -76,49 +81,23 @@ export class KeyCache {
 
   /** true: this key hash was read and not found a moment ago (and nothing was announced since). */
   missed(keySha256: Buffer): boolean {
-    if (!this.#listener.listening) return false;
-    const sha = keySha256.toString('hex');
-    const until = this.#misses.get(sha);
-    if (until === undefined) return false;
-    if (until < Date.now()) {
-      this.#misses.delete(sha);
-      return false;
-    }
-    return true;
+    return this.#listener.listening && this.#misses.get(keySha256.toString('hex')) === true;
   }
 
   #setMiss(sha: string): void {
-    if (!this.#listener.listening) return;
-    this.#misses.delete(sha);
-    if (this.#misses.size >= this.#maxMisses) {
-      const oldest = this.#misses.keys().next().value;
-      if (oldest !== undefined) this.#misses.delete(oldest);
-    }
-    this.#misses.set(sha, Date.now() + this.#missTtlMs);
+    if (this.#listener.listening) this.#misses.set(sha, true);
   }
 
   get(keySha256: Buffer): Auth | undefined {
     if (!this.#listener.listening) return undefined;
-    const keyId = this.#keyIdBySha.get(keySha256.toString('hex'));
-    const entry = keyId === undefined ? undefined : this.#byKeyId.get(keyId);
-    if (!entry) return undefined;
-    if (entry.expiresAt < Date.now()) {
-      this.#drop(entry);
-      return undefined;
-    }
-    return entry.auth;
+    return this.#bySha.get(keySha256.toString('hex'))?.auth;
   }
 
   #set(keySha256: Buffer, auth: Auth): void {
     if (!this.#listener.listening) return;
-    if (this.#byKeyId.size >= this.#maxEntries) {
-      // Maps keep insertion order: drop the oldest.
-      const oldest = this.#byKeyId.values().next().value;
-      if (oldest) this.#drop(oldest);
-    }
     const sha = keySha256.toString('hex');
-    this.#byKeyId.set(auth.keyId, { auth, keySha256: sha, expiresAt: Date.now() + this.#ttlMs });
-    this.#keyIdBySha.set(sha, auth.keyId);
+    this.#bySha.set(sha, { auth });
+    this.#shaByKeyId.set(auth.keyId, sha);
   }
 
   /**
@@ -152,7 +131,8 @@ export class KeyCache {
 
   /** The key's HMAC signing key, decrypted and prepared once per cache entry. */
   signingKey(auth: Auth, prepare: () => KeyObject): KeyObject {
-    const entry = this.#listener.listening ? this.#byKeyId.get(auth.keyId) : undefined;
+    const sha = this.#listener.listening ? this.#shaByKeyId.get(auth.keyId) : undefined;
+    const entry = sha === undefined ? undefined : this.#bySha.peek(sha);
     if (!entry || entry.auth !== auth) return prepare();
     entry.signingKey ??= prepare();
     return entry.signingKey;
@@ -162,13 +142,8 @@ export class KeyCache {
   forget(keyId: string): void {
     this.#reading.clear();
     this.#forgetMisses();
-    const entry = this.#byKeyId.get(keyId);
-    if (entry) this.#drop(entry);
-  }
-
-  #drop(entry: Entry): void {
-    this.#byKeyId.delete(entry.auth.keyId);
-    this.#keyIdBySha.delete(entry.keySha256);
+    const sha = this.#shaByKeyId.get(keyId);
+    if (sha !== undefined) this.#bySha.delete(sha);
   }
 
   /** A key was created: it may be one that was missed, or one a read under way will miss. */
@@ -180,7 +155,7 @@ export class KeyCache {
   clear(): void {
     this.#reading.clear();
     this.#forgetMisses();
-    this.#byKeyId.clear();
-    this.#keyIdBySha.clear();
+    this.#bySha.clear();
+    this.#shaByKeyId.clear();
   }
 }

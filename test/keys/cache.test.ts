@@ -303,3 +303,37 @@ t.test('a miss after an invalidation does not join a read begun before it', asyn
   t.equal(await after, undefined, 'it sees the key as it is now');
   t.equal(cache.size, 0, 'the read begun before the invalidation is not cached');
 });
+
+t.test('keys are kept for their time, at most maxEntries of them, the least recently used making room; a change forgets one by its id', async (t) => {
+  const listener = fakeListener();
+  const cache = new KeyCache(listener, { ttlMs: 200, maxEntries: 2 });
+  const sha = (n: number) => hashApiKey(`svc_test_${String(n).repeat(32)}`);
+  const auth = (n: number) => ({ keyId: `key_entry${n}`, projectId: '1', mode: 'test' as const, signingSecretCiphertext: Buffer.alloc(1), requestDeadlineMs: undefined });
+  for (const n of [1, 2]) await cache.read(sha(n), async () => auth(n));
+  t.equal(cache.get(sha(1))?.keyId, 'key_entry1', 'the first, used again');
+  await cache.read(sha(3), async () => auth(3));
+  t.equal(cache.size, 2, 'at most maxEntries kept');
+  t.notOk(cache.get(sha(2)), 'the least recently used made room');
+  t.equal(cache.get(sha(3))?.keyId, 'key_entry3');
+
+  // The signing key is prepared once per entry, for the auth the entry holds.
+  const cached = cache.get(sha(1))!;
+  let prepared = 0;
+  const prepare = () => {
+    prepared++;
+    return {} as import('node:crypto').KeyObject;
+  };
+  t.equal(cache.signingKey(cached, prepare), cache.signingKey(cached, prepare), 'the same signing key twice');
+  t.equal(prepared, 1, 'prepared once');
+  listener.announce('key_entry1');
+  t.notOk(cache.get(sha(1)), 'a change announced by key id forgets that key');
+  cache.signingKey(cached, prepare);
+  t.equal(prepared, 2, 'and its signing key: prepared again, not kept');
+  t.equal(cache.get(sha(3))?.keyId, 'key_entry3', 'the others stay');
+
+  await new Promise((resolve) => setTimeout(resolve, 250));
+  t.notOk(cache.get(sha(3)), 'forgotten after its time');
+  let reads = 0;
+  t.equal((await cache.read(sha(3), async () => (reads++, auth(3))))?.keyId, 'key_entry3', 'and read again');
+  t.equal(reads, 1);
+});
