@@ -29,7 +29,8 @@ export function recordJson(row: RecordRow): string {
 /** The record as an HTTP answer's body: its JSON text, or its UTF-8 bytes when its result is large. */
 export function recordBody(row: RecordRow): string | Buffer {
   const { head, result } = recordParts(row);
-  if (result === undefined || result.length < LARGE_RESULT_CHARS) return result === undefined ? head : `${head}${result}}`;
+  if (result === undefined) return head;
+  if (result.length < LARGE_RESULT_CHARS) return `${head}${result}}`;
   const headBytes = Buffer.byteLength(head);
   const resultBytes = Buffer.byteLength(result);
   const body = Buffer.allocUnsafe(headBytes + resultBytes + 1);
