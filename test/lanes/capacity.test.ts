@@ -42,7 +42,7 @@ t.test('MAX_IN_FLIGHT holds while many lanes are dispatched at once: their claim
 t.test('test traffic at full load leaves live latency unchanged', async (t) => {
   const upstream = await startFakeUpstream(t, completionAfter(200));
   const gateway = await startTestGateway(t, {
-    env: { UPSTREAM_BASE_URL: upstream.baseUrl, TEST_MAX_IN_FLIGHT: '50', MAX_IN_FLIGHT: '50', UPSTREAM_TIMEOUT_MS: '10000' },
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, TEST_MAX_IN_FLIGHT: '50', MAX_IN_FLIGHT: '50', UPSTREAM_TIMEOUT_MS: '30000' },
   });
   const live = clientFor(gateway.url, await gateway.createKey({ project: 'live-project', mode: 'live' }));
   const test = clientFor(gateway.url, await gateway.createKey({ project: 'test-project', mode: 'test' }));
@@ -63,9 +63,11 @@ t.test('test traffic at full load leaves live latency unchanged', async (t) => {
   };
 
   const quiet = await liveLatencies('quiet');
-  // The test lane filled: 50 simulated calls of 5 s in flight (its whole capacity), 450 waiting.
+  // The test lane filled: 50 simulated calls of 15 s in flight (its whole capacity), 450 waiting.
+  // Calls that long outlast the filling and the measuring below however busy the machine is: no
+  // call ends, and none of the waiting ones takes its place, while live latency is measured.
   const flood = await Promise.all(
-    Array.from({ length: 500 }, (_, i) => test.post({ model: 'test-delay-5000', messages: userMessage(`flood ${i}`) })),
+    Array.from({ length: 500 }, (_, i) => test.post({ model: 'test-delay-15000', messages: userMessage(`flood ${i}`) })),
   );
   t.same(new Set(flood.map((answer) => answer.status)), new Set([202]), 'the test flood accepted');
   await until(async () => {

@@ -143,9 +143,12 @@ t.test('one project\'s burst does not delay another project\'s requests behind i
   // 1.3 s); behind the burst they would wait its 12.5 s.
   const waitedMs = smallDoneAt - smallSubmitted;
   t.ok(waitedMs < 3_000, `the small project's 10 finished ${waitedMs} ms after they were sent`);
+  // Counted from when the 10 were sent: on a busy machine, sending the 200 takes long enough for
+  // many of them to run before. Taking turns, about 10 of the burst run while the 10 wait (and the
+  // 4 under way when they came); behind it, all of the rest.
   const bigFinished = await setup.finished(burst, 60_000);
-  const bigBefore = [...bigFinished.values()].filter((at) => at <= smallDoneAt).length;
-  t.ok(bigBefore < 40, `only ${bigBefore} of the burst finished before them`);
+  const bigWhile = [...bigFinished.values()].filter((at) => at > smallSubmitted && at <= smallDoneAt).length;
+  t.ok(bigWhile < 25, `only ${bigWhile} of the burst finished while they waited`);
   t.equal(setup.upstream.refused.concurrency, 0, 'and max_concurrent held: no 429');
 });
 
