@@ -17,7 +17,7 @@ import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { serveSettings, spawnServe } from '../helpers/serve.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
-import { until } from '../helpers/wait.ts';
+import { until, waitFor } from '../helpers/wait.ts';
 
 /** An upstream whose calls are all answered (200) once the test says so. */
 async function heldUpstream(t: Parameters<typeof startFakeUpstream>[0]) {
@@ -102,11 +102,10 @@ t.test('a worker pool that stops on its own is replaced, and its request complet
   // The stopped pool's row goes when it stops, and its replacement's comes when that has started:
   // on a busy machine, the job may be free and done in between. Waited for up to 10 s.
   let after: { id: string }[] = [];
-  for (let i = 0; ; i++) {
+  await waitFor(async () => {
     ({ rows: after } = await gateway.pool.query(`select id from gateway.worker_pools where id like 'pool-%'`));
-    if ((after.length === 1 && after[0]!.id !== before[0].id) || i > 500) break;
-    await sleep(20);
-  }
+    return after.length === 1 && after[0]!.id !== before[0].id;
+  }, 10_000, 20);
   t.equal(after.length, 1, 'one pool beating');
   t.not(after[0]?.id, before[0].id, 'a new one');
   t.ok(gateway.logs.some((line) => /worker pool (stopping|stopped) on its own/.test(line)), 'the restart is logged');
