@@ -3,6 +3,7 @@ import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
+import { childEnv } from '../helpers/node-child.ts';
 
 t.test('examples/quickstart.ts runs to the end and prints what the README says', async (t) => {
   const gateway = await startTestGateway(t);
@@ -12,7 +13,7 @@ t.test('examples/quickstart.ts runs to the end and prints what the README says',
     ['--conditions=gateway-source', new URL('../../examples/quickstart.ts', import.meta.url).pathname],
     {
       env: {
-        ...process.env,
+        ...childEnv(),
         GATEWAY_API_KEY: key.api_key,
         GATEWAY_SIGNING_SECRET: key.signing_secret,
         GATEWAY_BASE_URL: gateway.url,

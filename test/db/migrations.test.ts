@@ -13,6 +13,7 @@ import { createPool } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
 import { runCli } from '../helpers/cli.ts';
 import { adminQuery, createTestDatabase, urlForDatabase } from '../helpers/database.ts';
+import { childEnv } from '../helpers/node-child.ts';
 
 const silent = createLogger({ logLevel: 'silent' });
 const CLI = new URL('../../src/cli.ts', import.meta.url).pathname;
@@ -83,7 +84,7 @@ t.test('gateway migrate and a gateway process refuse a database that applied ano
   t.not(migrated.code, 0, 'gateway migrate fails');
   t.match(migrated.stderr, /sql\/000007\.sql is not the file this database applied/);
 
-  const { DATABASE_URL: _url, ...inherited } = process.env;
+  const { DATABASE_URL: _url, ...inherited } = childEnv();
   const served = await promisify(execFile)(process.execPath, [CLI, 'serve', '--role', 'worker'], {
     env: { ...inherited, DATABASE_URL: databaseUrl, LOG_LEVEL: 'warn' },
     timeout: 60_000,

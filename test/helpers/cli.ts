@@ -2,6 +2,7 @@
 // printed.
 import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
+import { childEnv } from './node-child.ts';
 
 const CLI = new URL('../../src/cli.ts', import.meta.url).pathname;
 
@@ -17,7 +18,7 @@ export interface CliResult {
  * server's admin database): a command gets those only from `env`.
  */
 export async function runCli(args: string[], env: Record<string, string | undefined> = {}): Promise<CliResult> {
-  const { DATABASE_URL: _url, SECRET_ENCRYPTION_KEY: _key, SECRET_ENCRYPTION_KEYS: _keys, ...inherited } = process.env;
+  const { DATABASE_URL: _url, SECRET_ENCRYPTION_KEY: _key, SECRET_ENCRYPTION_KEYS: _keys, ...inherited } = childEnv();
   try {
     const { stdout, stderr } = await promisify(execFile)(process.execPath, [CLI, ...args], {
       env: { ...inherited, LOG_LEVEL: 'warn', ...env },

@@ -5,6 +5,7 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { appendFileSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Config } from '../../src/config.ts';
+import { childEnv, childExecArgv } from './node-child.ts';
 import type { Teardown } from './teardown.ts';
 
 const CLI = new URL('../../src/cli.ts', import.meta.url).pathname;
@@ -12,14 +13,15 @@ const ROOT = new URL('../../', import.meta.url).pathname;
 
 /**
  * Starts `gateway serve` (with `args`, e.g. ['--role', 'worker']) with these settings over the
- * test's own environment, and `nodeArgs` for node itself after the test's own; killed at teardown.
+ * test's own environment, and `nodeArgs` for node itself after the test's own (both less tap's
+ * hooks: node-child.ts); killed at teardown.
  */
 export function spawnServe(t: Teardown, env: Record<string, string>, args: string[] = [], nodeArgs: string[] = []): GatewayProcess {
   const gateway = new GatewayProcess({
     label: ['serve', ...args].join(' '),
     args,
-    env: { ...(process.env as Record<string, string>), ...env },
-    nodeArgs: [...process.execArgv, ...nodeArgs],
+    env: { ...childEnv(), ...env },
+    nodeArgs: [...childExecArgv(), ...nodeArgs],
   });
   gateway.spawn();
   t.teardown(() => gateway.destroy());

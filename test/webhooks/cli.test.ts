@@ -9,12 +9,13 @@ import { createDb, createPool } from '../../src/db/pool.ts';
 import { decryptSecret } from '../../src/keys/secrets.ts';
 import { createLogger } from '../../src/logger.ts';
 import { createTestDatabase } from '../helpers/database.ts';
+import { childEnv } from '../helpers/node-child.ts';
 
 const run = promisify(execFile);
 const CLI = new URL('../../src/cli.ts', import.meta.url).pathname;
 
 async function gateway(args: string[], env: Record<string, string | undefined>) {
-  const { DATABASE_URL: _url, SECRET_ENCRYPTION_KEY: _key, WEBHOOK_ALLOW_PRIVATE: _private, ...inherited } = process.env;
+  const { DATABASE_URL: _url, SECRET_ENCRYPTION_KEY: _key, WEBHOOK_ALLOW_PRIVATE: _private, ...inherited } = childEnv();
   try {
     const { stdout, stderr } = await run(process.execPath, [CLI, ...args], { env: { ...inherited, LOG_LEVEL: 'warn', ...env } });
     return { code: 0, stdout, stderr };

@@ -24,6 +24,7 @@ import { stringToSign } from '../../../src/client/signing.ts';
 import { randomBase62, REQUEST_ID } from '../../../src/ids.ts';
 import type { CreatedKey } from '../../../src/keys/service.ts';
 import { parseMetrics } from '../../helpers/metrics.ts';
+import { childExecArgv } from '../../helpers/node-child.ts';
 import { call } from './client.ts';
 import { errorShapeProblem, preview } from './contract.ts';
 import { CONTENT_MARKER, privateContent } from './run.ts';
@@ -156,8 +157,7 @@ export class NeighbourThread {
 
   static start(role: Role, t: { teardown(fn: () => Promise<void> | void): void }): NeighbourThread {
     // Without tap's own loaders (process info, mocks): a thread is not a test.
-    const execArgv = process.execArgv.filter((arg) => !arg.includes('@tapjs'));
-    const worker = new Worker(new URL(import.meta.url), { workerData: { neighbourRole: role }, execArgv });
+    const worker = new Worker(new URL(import.meta.url), { workerData: { neighbourRole: role }, execArgv: childExecArgv() });
     const thread = new NeighbourThread(role, worker);
     t.teardown(async () => {
       await thread.ask('close').catch(() => undefined);
