@@ -2,12 +2,14 @@
 // under .data/ when it is unset), a template database migrated once, then tap. Each test file
 // clones the template into a database of its own (test/helpers/database.ts).
 //
-// tap runs in two rounds. First the files that may run beside others, `tap.jobs` of them at once:
-// most wait far more than they compute (an upstream down for two minutes at four requests a
-// second), and the rest are short. Then the files of `tap.serial`, one at a time with nothing
-// beside them: those that time or load the machine, and would fail for want of CPU on two cores
-// beside other files. tap alone runs a serial file only once every file before it has ended, so
-// that a serial file among the others would hold the whole run up behind the slowest of them.
+// tap runs in two rounds. First the files that may run beside others, `tap.jobs` of them at once,
+// and beside them, all started at once, the few that take a minute or more (LONG): most of those
+// wait far more than they compute (an upstream down for two minutes at four requests a second).
+// tap starts files in the order of their paths, so that in one tap run the long ones would start
+// late and end the round alone on an idle machine. Then the files of `tap.serial`, one at a time
+// with nothing beside them: those that time or load the machine, and would fail for want of CPU
+// on two cores beside other files. (tap alone runs a serial file only once every file before it
+// has ended: a serial file among the others would hold the run up behind the slowest of them.)
 import { spawn } from 'node:child_process';
 import { existsSync, globSync, readFileSync, statSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
@@ -19,6 +21,21 @@ import { createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
 import { adminQuery, urlForDatabase } from '../test/helpers/database.ts';
 import { scriptPostgres } from './scratch-postgres.ts';
+
+/** Files that take a minute or more: started first, at once, beside the first round (above). */
+const LONG = [
+  'test/db/listener.test.ts',
+  'test/faults/1-worker-killed.test.ts',
+  'test/faults/4-chaos-upstream.test.ts',
+  'test/faults/7-webhook-receiver-down.test.ts',
+  'test/outages/503.test.ts',
+  'test/outages/auth-refused.test.ts',
+  'test/outages/connection-refused.test.ts',
+  'test/outages/fallback.test.ts',
+  'test/outages/hang.test.ts',
+  'test/outages/worker-killed-while-probing.test.ts',
+  'test/worker/recording-outage.test.ts',
+];
 
 const config = loadConfig();
 const tapConfig = (JSON.parse(readFileSync('package.json', 'utf8')) as { tap: { include: string[]; serial: string[] } }).tap;
@@ -42,10 +59,18 @@ try {
     // for the next one. Node checks each entry against the source it was made from.
     NODE_COMPILE_CACHE: process.env.NODE_COMPILE_CACHE ?? path.join(os.tmpdir(), 'node-compile-cache'),
   };
-  const { beside, alone } = rounds(testFiles(process.argv.slice(2)));
+  const { long, beside, alone } = rounds(testFiles(process.argv.slice(2)));
+  // Each tap run clears .tap/processinfo as it starts, where the other's test processes write as
+  // they exit: the long files' run starts first, and none of its files ends within seconds.
+  const longRun = long.length > 0 ? runTap([`--jobs=${long.length}`, ...long], env, { captured: true }) : undefined;
+  const codes = [beside.length > 0 ? await runTap(beside, env) : 0];
+  if (longRun) {
+    const { code, output } = await longRun;
+    // Printed once the other run has ended, so that the two do not interleave.
+    process.stdout.write(output);
+    codes.push(code);
+  }
   // The second round runs whatever the first gave, so that one run reports every failure.
-  const codes = [];
-  if (beside.length > 0) codes.push(await runTap(beside, env));
   if (alone.length > 0) codes.push(await runTap(['--jobs=1', ...alone], env));
   exitCode = codes.find((code) => code !== 0) ?? 0;
 } finally {
@@ -73,19 +98,40 @@ function testFiles(args: readonly string[]): string[] {
   return [...new Set(files)].sort();
 }
 
-/** The files that may run beside others, and those of `tap.serial` (a directory or a file each). */
-function rounds(files: readonly string[]): { beside: string[]; alone: string[] } {
-  const serial = tapConfig.serial.map((entry) => {
-    if (!existsSync(entry)) throw new Error(`tap.serial in package.json names ${entry}, which does not exist`);
-    return path.resolve(entry) + path.sep;
-  });
-  const isSerial = (file: string) => serial.some((entry) => (path.resolve(file) + path.sep).startsWith(entry));
-  return { beside: files.filter((file) => !isSerial(file)), alone: files.filter(isSerial) };
+/** The files of each round: LONG's and the others that may run beside others, then those of `tap.serial`. */
+function rounds(files: readonly string[]): { long: string[]; beside: string[]; alone: string[] } {
+  const within = (entries: readonly string[], where: string) => {
+    const prefixes = entries.map((entry) => {
+      if (!existsSync(entry)) throw new Error(`${where} names ${entry}, which does not exist`);
+      return path.resolve(entry) + path.sep;
+    });
+    return (file: string) => prefixes.some((prefix) => (path.resolve(file) + path.sep).startsWith(prefix));
+  };
+  const isSerial = within(tapConfig.serial, 'tap.serial in package.json');
+  const isLong = within(LONG, 'LONG in scripts/test.ts');
+  return {
+    long: files.filter((file) => isLong(file) && !isSerial(file)),
+    beside: files.filter((file) => !isLong(file) && !isSerial(file)),
+    alone: files.filter(isSerial),
+  };
 }
 
-function runTap(args: string[], env: Record<string, string>): Promise<number> {
-  // CI reads tap's plain TAP output (each round's closing "# { total, pass, fail }" line).
+function runTap(args: string[], env: Record<string, string>): Promise<number>;
+function runTap(args: string[], env: Record<string, string>, options: { captured: true }): Promise<{ code: number; output: string }>;
+function runTap(args: string[], env: Record<string, string>, options?: { captured: true }): Promise<number | { code: number; output: string }> {
+  // CI reads tap's plain TAP output (each run's closing "# { total, pass, fail }" line).
   const reporter = process.env.CI ? ['--reporter=tap'] : [];
-  const child = spawn('tap', [...reporter, ...args], { stdio: 'inherit', env: { ...process.env, ...env } });
-  return new Promise((resolve) => child.on('exit', (code, signal) => resolve(code ?? (signal ? 1 : 0))));
+  const child = spawn('tap', [...reporter, ...args], {
+    stdio: options?.captured ? ['ignore', 'pipe', 'pipe'] : 'inherit',
+    env: { ...process.env, ...env },
+  });
+  const chunks: Buffer[] = [];
+  child.stdout?.on('data', (chunk: Buffer) => chunks.push(chunk));
+  child.stderr?.on('data', (chunk: Buffer) => chunks.push(chunk));
+  return new Promise((resolve) =>
+    child.on('close', (code, signal) => {
+      const exit = code ?? (signal ? 1 : 0);
+      resolve(options?.captured ? { code: exit, output: Buffer.concat(chunks).toString() } : exit);
+    }),
+  );
 }
