@@ -14,6 +14,7 @@ import { parseUsageCommand } from './cli/usage.ts';
 import { parseWebhooksCommand } from './cli/webhooks.ts';
 import { CommandError } from './cli/output.ts';
 import { ConfigError, loadConfig } from './config.ts';
+import { MigrationChangedError } from './db/migrate.ts';
 import { MissingEncryptionKeyError } from './keys/service.ts';
 import { isClusterChild, runAdminCommand, serveClusterChild } from './main.ts';
 
@@ -67,7 +68,7 @@ async function main(argv: string[]): Promise<void> {
     case 'start':
       return startCommand(config, rest);
     case 'migrate':
-      return runAdminCommand(config, migrateCommand);
+      return runAdminCommand(config, migrateCommand, { anySchema: true });
     case 'keys':
       return runAdminCommand(config, parseKeysCommand(rest));
     case 'webhooks':
@@ -101,6 +102,7 @@ main(process.argv.slice(2)).catch((error: unknown) => {
   if (
     error instanceof CommandError ||
     error instanceof ConfigError ||
+    error instanceof MigrationChangedError ||
     error instanceof MissingEncryptionKeyError ||
     error instanceof v.ValiError
   ) {

@@ -344,13 +344,16 @@ export type AdminCommand = (db: Db, context: AdminContext) => Promise<string>;
  * Runs one administrative command against the database and prints what it returns. Logs go to
  * stderr, so that stdout (for --json) carries only the answer. With DATABASE_URL unset, the
  * embedded Postgres under DATA_DIR is used (started for the command if it is not running).
+ * Unless it is `migrate` (`anySchema`), a command refuses a database whose schema is not this
+ * code's, saying what to run, rather than failing on a table or column it does not find.
  */
-export async function runAdminCommand(config: Config, command: AdminCommand): Promise<void> {
+export async function runAdminCommand(config: Config, command: AdminCommand, options: { anySchema?: boolean } = {}): Promise<void> {
   const logger = createLogger({ logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel }, process.stderr);
   const database = await openDatabase(config, logger);
   const effective = database.embedded ? await withLocalSecrets(config) : config;
   const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger });
   try {
+    if (!options.anySchema) await assertSchemaCurrent(pool);
     console.log(await command(createDb(pool), { pool, logger, config: effective }));
   } finally {
     await pool.end();
@@ -381,7 +384,7 @@ async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
   await assertMigrationsUnchanged(pool);
   const { applied, expected } = await schemaVersion(pool);
   if (applied !== expected) {
-    throw new Error(
+    throw new ConfigError(
       `The database schema is at migration ${applied}, this gateway needs ${expected}: run \`gateway migrate\` first.`,
     );
   }

@@ -100,6 +100,19 @@ t.test('gateway migrate and a gateway process refuse a database that applied ano
   t.match(served.output, /sql\/000007\.sql is not the file this database applied/);
 });
 
+t.test('an administrative command refuses a database whose schema is not current, saying to run gateway migrate', async (t) => {
+  const databaseUrl = await emptyDatabase(t);
+  const listed = await runCli(['keys', 'list'], { DATABASE_URL: databaseUrl });
+  t.equal(listed.code, 1);
+  t.equal(listed.stdout, '');
+  t.match(listed.stderr, /^The database schema is at migration 0, this gateway needs \d+: run `gateway migrate` first\.\n$/, 'one line, no stack');
+
+  const migrated = await runCli(['migrate'], { DATABASE_URL: databaseUrl });
+  t.equal(migrated.code, 0, 'gateway migrate runs on it');
+  const after = await runCli(['keys', 'list'], { DATABASE_URL: databaseUrl });
+  t.equal(after.code, 0, 'then the command runs');
+});
+
 t.test('000020: a database that ran 000015 in its first form (claim_queue with seven arguments) ends with the same function as a new one', async (t) => {
   const pool = createPool(await emptyDatabase(t), { max: 2, applicationName: 'migrations-test', logger: silent });
   t.teardown(() => pool.end());
