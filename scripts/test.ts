@@ -2,14 +2,19 @@
 // under .data/ when it is unset), a template database migrated once, then tap. Each test file
 // clones the template into a database of its own (test/helpers/database.ts).
 //
-// tap runs in two rounds. First the files that may run beside others, `tap.jobs` of them at once,
-// and beside them, all started at once, the few that take a minute or more (LONG): most of those
-// wait far more than they compute (an upstream down for two minutes at four requests a second).
-// tap starts files in the order of their paths, so that in one tap run the long ones would start
-// late and end the round alone on an idle machine. Then the files of `tap.serial`, one at a time
-// with nothing beside them: those that time or load the machine, and would fail for want of CPU
-// on two cores beside other files. (tap alone runs a serial file only once every file before it
-// has ended: a serial file among the others would hold the run up behind the slowest of them.)
+// tap runs three times, each run a round with nothing else beside it:
+// 1. the files that may run beside others, `tap.jobs` of them at once: short, and timing nothing;
+// 2. the few that take a minute or more (LONG), all at once: an upstream down for two minutes at
+//    four requests a second, a webhook receiver down for thirty, a worker killed and waited for.
+//    Each waits far more than it computes: together they use about one of two cores. Within
+//    the first round, which tap starts in the order of the files' paths, they would start late
+//    and end it alone on an idle machine; beside its other files, some failed their time bounds;
+//    and one after another they took twelve minutes;
+// 3. the files of `tap.serial`, one at a time: those that time or load the machine, and would
+//    fail for want of CPU on two cores beside other files. (tap alone runs a serial file only once
+//    every file before it has ended: among the others, each would hold the run up behind the
+//    slowest of them.)
+// Each round runs whatever the one before gave, so that one run reports every failure.
 import { spawn } from 'node:child_process';
 import { existsSync, globSync, readFileSync, statSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
@@ -22,7 +27,7 @@ import { createLogger } from '../src/logger.ts';
 import { adminQuery, urlForDatabase } from '../test/helpers/database.ts';
 import { scriptPostgres } from './scratch-postgres.ts';
 
-/** Files that take a minute or more: started first, at once, beside the first round (above). */
+/** Files that take a minute or more, mostly waiting: the second round, all at once (above). */
 const LONG = [
   'test/db/listener.test.ts',
   'test/faults/1-worker-killed.test.ts',
@@ -59,18 +64,10 @@ try {
     // for the next one. Node checks each entry against the source it was made from.
     NODE_COMPILE_CACHE: process.env.NODE_COMPILE_CACHE ?? path.join(os.tmpdir(), 'node-compile-cache'),
   };
-  const { long, beside, alone } = rounds(testFiles(process.argv.slice(2)));
-  // Each tap run clears .tap/processinfo as it starts, where the other's test processes write as
-  // they exit: the long files' run starts first, and none of its files ends within seconds.
-  const longRun = long.length > 0 ? runTap([`--jobs=${long.length}`, ...long], env, { captured: true }) : undefined;
-  const codes = [beside.length > 0 ? await runTap(beside, env) : 0];
-  if (longRun) {
-    const { code, output } = await longRun;
-    // Printed once the other run has ended, so that the two do not interleave.
-    process.stdout.write(output);
-    codes.push(code);
-  }
-  // The second round runs whatever the first gave, so that one run reports every failure.
+  const { beside, long, alone } = rounds(testFiles(process.argv.slice(2)));
+  const codes = [];
+  if (beside.length > 0) codes.push(await runTap(beside, env));
+  if (long.length > 0) codes.push(await runTap([`--jobs=${long.length}`, ...long], env));
   if (alone.length > 0) codes.push(await runTap(['--jobs=1', ...alone], env));
   exitCode = codes.find((code) => code !== 0) ?? 0;
 } finally {
@@ -98,8 +95,8 @@ function testFiles(args: readonly string[]): string[] {
   return [...new Set(files)].sort();
 }
 
-/** The files of each round: LONG's and the others that may run beside others, then those of `tap.serial`. */
-function rounds(files: readonly string[]): { long: string[]; beside: string[]; alone: string[] } {
+/** The files of each round: those that may run beside others, LONG's, and those of `tap.serial`. */
+function rounds(files: readonly string[]): { beside: string[]; long: string[]; alone: string[] } {
   const within = (entries: readonly string[], where: string) => {
     const prefixes = entries.map((entry) => {
       if (!existsSync(entry)) throw new Error(`${where} names ${entry}, which does not exist`);
@@ -110,28 +107,15 @@ function rounds(files: readonly string[]): { long: string[]; beside: string[]; a
   const isSerial = within(tapConfig.serial, 'tap.serial in package.json');
   const isLong = within(LONG, 'LONG in scripts/test.ts');
   return {
-    long: files.filter((file) => isLong(file) && !isSerial(file)),
     beside: files.filter((file) => !isLong(file) && !isSerial(file)),
+    long: files.filter((file) => isLong(file) && !isSerial(file)),
     alone: files.filter(isSerial),
   };
 }
 
-function runTap(args: string[], env: Record<string, string>): Promise<number>;
-function runTap(args: string[], env: Record<string, string>, options: { captured: true }): Promise<{ code: number; output: string }>;
-function runTap(args: string[], env: Record<string, string>, options?: { captured: true }): Promise<number | { code: number; output: string }> {
+function runTap(args: string[], env: Record<string, string>): Promise<number> {
   // CI reads tap's plain TAP output (each run's closing "# { total, pass, fail }" line).
   const reporter = process.env.CI ? ['--reporter=tap'] : [];
-  const child = spawn('tap', [...reporter, ...args], {
-    stdio: options?.captured ? ['ignore', 'pipe', 'pipe'] : 'inherit',
-    env: { ...process.env, ...env },
-  });
-  const chunks: Buffer[] = [];
-  child.stdout?.on('data', (chunk: Buffer) => chunks.push(chunk));
-  child.stderr?.on('data', (chunk: Buffer) => chunks.push(chunk));
-  return new Promise((resolve) =>
-    child.on('close', (code, signal) => {
-      const exit = code ?? (signal ? 1 : 0);
-      resolve(options?.captured ? { code: exit, output: Buffer.concat(chunks).toString() } : exit);
-    }),
-  );
+  const child = spawn('tap', [...reporter, ...args], { stdio: 'inherit', env: { ...process.env, ...env } });
+  return new Promise((resolve) => child.on('exit', (code, signal) => resolve(code ?? (signal ? 1 : 0))));
 }
