@@ -282,16 +282,25 @@ export async function finishAttempts(
       where lanes.id = lane_next.lane_id
       returning lanes.id, lanes.queue_id, lanes.upstream, lanes.model, lane_next.old_health, lanes.health, lanes.last_error
     ), due as (
-      select distinct queue_id, next_attempt_at as run_at from finished where status = 'retrying'
+      -- A queue's retries are dispatched in slots of RETRY_SLOT_MS, each when it ends, by one job
+      -- keyed by the queue and the slot: a storm of retries (a 429 to each of hundreds of calls a
+      -- second) adds a few jobs a second, not one per retry, each fetched, run and recorded.
+      select distinct queue_id, to_timestamp(slot * ${RETRY_SLOT_MS}::float8 / 1000) as run_at,
+             ${RETRY_KEY_PREFIX} || queue_id || ':' || slot as key
+      from (
+        select queue_id, ceil(extract(epoch from next_attempt_at) * 1000 / ${RETRY_SLOT_MS}::float8)::bigint as slot
+        from finished where status = 'retrying'
+      ) as retries
       union
-      select queue_id, now() from lanes_taught where old_health <> health
+      select queue_id, now(), null from lanes_taught where old_health <> health
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
         select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null, run_at,
-                   null, null, null, null)::graphile_worker.job_spec
-        from due
-      ))
+                   null, key, null, null)::graphile_worker.job_spec
+        -- In one order, so that statements adding the same keys cannot deadlock.
+        from due order by queue_id, run_at
+      ), job_key_preserve_run_at => true)
       where exists (select from due)
     ), changes as (
       select coalesce(json_agg(json_build_object('lane_id', id::text, 'upstream', upstream, 'model', model,
@@ -319,6 +328,10 @@ export async function finishAttempts(
     })),
   };
 }
+
+/** The slots of time in which a queue's retries share one dispatch, due when the slot ends. */
+export const RETRY_SLOT_MS = 250;
+const RETRY_KEY_PREFIX = 'dispatch_retry:';
 
 type Completion = Extract<Finish, { kind: 'completed' }>;
 

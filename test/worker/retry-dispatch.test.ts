@@ -1,0 +1,62 @@
+// A queue's retries share their dispatch jobs (attempts-repository.ts, RETRY_SLOT_MS): a 429 to
+// each of many calls adds one job per slot of time the retries fall in, each due when its slot
+// ends, not one job per retry, each of which would be fetched, run and recorded on its own.
+import t from 'tap';
+import { createDb, createPool } from '../../src/db/pool.ts';
+import { createLogger } from '../../src/logger.ts';
+import { LANE_HEALTH } from '../../src/lanes/health.ts';
+import { finishAttempts, RETRY_SLOT_MS, type Finish } from '../../src/worker/attempts-repository.ts';
+import { createTestDatabase } from '../helpers/database.ts';
+import { dispatchJobs } from '../helpers/rows.ts';
+
+const SETTINGS = { maxAttempts: 5, health: LANE_HEALTH };
+const REQUESTS = 40;
+
+t.test('40 retries after 429s, due within 100 ms of each other: one dispatch job per slot they fall in, each due when its slot ends', async (t) => {
+  const url = await createTestDatabase(t);
+  const pool = createPool(url, { max: 2, applicationName: 'retry-dispatch-test', logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  const db = createDb(pool);
+  await pool.query(`
+    with project as (insert into gateway.projects (name) values ('retrying') returning id),
+    key as (
+      insert into gateway.api_keys (id, project_id, mode, key_sha256, key_hint, signing_secret_ciphertext)
+      select 'key_retryingRetrying0001', id, 'live', sha256('k'), 'k', '\\x00' from project returning id, project_id
+    ), queue as (insert into gateway.queues (mode, model) values ('live', 'm') returning id),
+    lane as (insert into gateway.lanes (mode, upstream, model, queue_id) select 'live', 'primary', 'm', id from queue returning id),
+    requests as (
+      insert into gateway.requests (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, queue_id, lane_id)
+      select 'req_retrying' || lpad(n::text, 2, '0') || 'Retrying00000', key.project_id, 'live', key.id, 'processing', 1, 'm', '{}',
+             sha256('b'), queue.id, lane.id
+      from key, queue, lane, generate_series(1, ${REQUESTS}) as n
+      returning id
+    )
+    insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream) select id, 1, 'w', 'primary' from requests`);
+  const ids = Array.from({ length: REQUESTS }, (_, i) => `req_retrying${String(i + 1).padStart(2, '0')}Retrying00000`);
+  const retry = (id: string, index: number): Extract<Finish, { kind: 'retry' }> => ({
+    kind: 'retry', id, attempt: 1, code: 'upstream_rate_limited', fault: 'rate_limited', detail: 'upstream answered HTTP 429',
+    upstreamStatus: 429, durationMs: 5, delayMs: 1_000, unchargedDelayMs: 10_000 + (index % 20) * 5,
+  });
+
+  // Two statements, as two groups of finishes would come: the second finds the first's jobs.
+  const first = await finishAttempts(db, ids.slice(0, 20).map(retry), SETTINGS);
+  const second = await finishAttempts(db, ids.slice(20).map(retry), SETTINGS);
+  t.same([...first.finished, ...second.finished], ids.map(() => ({ status: 'retrying', charged: false })), 'all retrying, none charged');
+
+  const { rows } = await pool.query<{ next_attempt_at: Date }>(`select next_attempt_at from gateway.requests order by id`);
+  const slots = new Set(rows.map((row) => Math.ceil(row.next_attempt_at.getTime() / RETRY_SLOT_MS)));
+  const jobs = await dispatchJobs(db);
+  t.equal(jobs.length, slots.size, `${jobs.length} dispatch jobs for ${REQUESTS} retries: one per slot they fall in`);
+  t.same(new Set(jobs.map((job) => job.run_at.getTime())), new Set([...slots].map((slot) => slot * RETRY_SLOT_MS)), 'each due when its slot ends');
+  for (const [index, row] of rows.entries()) {
+    const due = row.next_attempt_at.getTime();
+    const covering = jobs.filter((job) => job.run_at.getTime() >= due && job.run_at.getTime() - due < RETRY_SLOT_MS);
+    if (covering.length !== 1) t.fail(`retry ${index + 1} (due ${row.next_attempt_at.toISOString()}) has ${covering.length} jobs due within a slot after it`);
+  }
+
+  // A retry due in another slot gets a job of its own.
+  await pool.query(`update gateway.requests set status = 'processing', attempts = 2, next_attempt_at = null where id = $1`, [ids[0]]);
+  await pool.query(`insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream) values ($1, 2, 'w', 'primary')`, [ids[0]]);
+  await finishAttempts(db, [{ ...retry(ids[0]!, 0), attempt: 2, unchargedDelayMs: 60_000 }], SETTINGS);
+  t.equal((await dispatchJobs(db)).length, slots.size + 1, 'a retry a minute later: one job more');
+});
