@@ -4,7 +4,20 @@
 // bench/ share it without either importing the other.
 import { createServer } from 'node:net';
 
-export function freePort(): Promise<number> {
+// The kernel may give a port it has just given back (a test asking for PORT then METRICS_PORT
+// got the same one twice): a process never hands out one port twice.
+const handedOut = new Set<number>();
+
+export async function freePort(): Promise<number> {
+  for (;;) {
+    const port = await unusedPort();
+    if (handedOut.has(port)) continue;
+    handedOut.add(port);
+    return port;
+  }
+}
+
+function unusedPort(): Promise<number> {
   return new Promise((resolve, reject) => {
     const server = createServer();
     server.once('error', reject);
