@@ -64,11 +64,15 @@ try {
     // for the next one. Node checks each entry against the source it was made from.
     NODE_COMPILE_CACHE: process.env.NODE_COMPILE_CACHE ?? path.join(os.tmpdir(), 'node-compile-cache'),
   };
-  const { beside, long, alone } = rounds(testFiles(process.argv.slice(2)));
+  // tap's own options (`npm test -- --grep=cancel test/requests`, each in its --name=value form)
+  // go to every round; the other arguments name the files.
+  const args = process.argv.slice(2);
+  const options = args.filter((arg) => arg.startsWith('-'));
+  const { beside, long, alone } = rounds(testFiles(args.filter((arg) => !arg.startsWith('-'))));
   const codes = [];
-  if (beside.length > 0) codes.push(await runTap(beside, env));
-  if (long.length > 0) codes.push(await runTap([`--jobs=${long.length}`, ...long], env));
-  if (alone.length > 0) codes.push(await runTap(['--jobs=1', ...alone], env));
+  if (beside.length > 0) codes.push(await runTap([...options, ...beside], env));
+  if (long.length > 0) codes.push(await runTap([`--jobs=${long.length}`, ...options, ...long], env));
+  if (alone.length > 0) codes.push(await runTap(['--jobs=1', ...options, ...alone], env));
   exitCode = codes.find((code) => code !== 0) ?? 0;
 } finally {
   await adminQuery(adminUrl, (client) => client.query(`drop database if exists ${template}`)).catch((error) =>
