@@ -2,7 +2,8 @@
 // starts as many of its waiting requests as the lanes of its deployments allow
 // (worker/dispatcher.ts). Accepting a request adds one in the same statement as the row (due at
 // once, or, where the accepting process dispatches the request itself, later, as a fallback); so
-// does a retry, due when the retry is, and a lane that changes health.
+// do retries, one per queue and quarter second they fall due in (worker/attempts-repository.ts),
+// and a lane that changes health.
 import * as v from 'valibot';
 import { REQUEST_ID } from '../ids.ts';
 

@@ -56,8 +56,8 @@ export interface FinishSettings {
 
 /**
  * Records how attempts ended, a group at a time, in one statement: each attempt row, its
- * request (completed with its usage, failed, or retrying with a dispatch of its queue due when
- * the retry is), and the lanes they ran on. Each is guarded twice: the attempt must still be
+ * request (completed with its usage, failed, or retrying with a dispatch of its queue due by the
+ * end of the quarter second the retry is), and the lanes they ran on. Each is guarded twice: the attempt must still be
  * running, and the request still processing this very attempt; so a worker presumed dead that
  * comes back late changes nothing.
  *
