@@ -11,9 +11,10 @@
 //    and end it alone on an idle machine; beside its other files, some failed their time bounds;
 //    and one after another they took twelve minutes;
 // 3. the files of `tap.serial`, one at a time: those that time or load the machine, and would
-//    fail for want of CPU on two cores beside other files. (tap alone runs a serial file only once
-//    every file before it has ended: among the others, each would hold the run up behind the
-//    slowest of them.)
+//    fail for want of CPU on two cores beside other files, and those that other files' work
+//    upsets (the replanning test's early plans, which any cluster-wide cache reset replaces).
+//    (tap alone runs a serial file only once every file before it has ended: among the others,
+//    each would hold the run up behind the slowest of them.)
 // Each round runs whatever the one before gave, so that one run reports every failure.
 import { spawn } from 'node:child_process';
 import { existsSync, globSync, readFileSync, statSync } from 'node:fs';

@@ -25,7 +25,9 @@ t.test('a group claimed and finished after the tables grew does not scan them wh
   const db = createDb(pool);
   // Plans are made again when a table they read is analyzed: autovacuum doing so during the test
   // (it visits a new database's tables soon after it is created) would replace the early plans
-  // before they are checked. Off for every table the statements read.
+  // before they are checked. Off for every table the statements read. (So would a reset of the
+  // backend's caches, which other databases' catalog changes can cause: the suite runs this file
+  // alone, in tap.serial.)
   const { rows: tables } = await pool.query<{ name: string }>(
     `select format('%I.%I', schemaname, tablename) as name from pg_tables where schemaname in ('gateway', 'graphile_worker')`,
   );
