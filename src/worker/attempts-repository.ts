@@ -285,13 +285,13 @@ export async function finishAttempts(
       -- A queue's retries are dispatched in slots of RETRY_SLOT_MS, each when it ends, by one job
       -- keyed by the queue and the slot: a storm of retries (a 429 to each of hundreds of calls a
       -- second) adds a few jobs a second, not one per retry, each fetched, run and recorded.
-      select distinct queue_id, to_timestamp(slot * ${RETRY_SLOT_MS}::float8 / 1000) as run_at,
+      select queue_id, to_timestamp(slot * ${RETRY_SLOT_MS}::float8 / 1000) as run_at,
              ${RETRY_KEY_PREFIX} || queue_id || ':' || slot as key
       from (
         select queue_id, ceil(extract(epoch from next_attempt_at) * 1000 / ${RETRY_SLOT_MS}::float8)::bigint as slot
         from finished where status = 'retrying'
       ) as retries
-      union
+      union -- (not all: one row, and one job, per queue and slot)
       select queue_id, now(), null from lanes_taught where old_health <> health
     ), queued as (
       select count(*) as jobs

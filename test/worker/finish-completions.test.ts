@@ -8,6 +8,7 @@ import { createLogger } from '../../src/logger.ts';
 import { LANE_HEALTH } from '../../src/lanes/health.ts';
 import { finishAttempts, type Finish } from '../../src/worker/attempts-repository.ts';
 import { createTestDatabase } from '../helpers/database.ts';
+import { plantRunning } from '../helpers/populate.ts';
 
 const SETTINGS = { maxAttempts: 5, health: LANE_HEALTH };
 const USAGE = { prompt: 60, completion: 20, total: 80 };
@@ -16,25 +17,11 @@ async function setUp(t: Test, lane: string) {
   const url = await createTestDatabase(t);
   const pool = createPool(url, { max: 2, applicationName: 'finish-completions-test', logger: createLogger({ logLevel: 'silent' }) });
   t.teardown(() => pool.end());
-  await pool.query(`
-    with project as (insert into gateway.projects (name) values ('finishing') returning id),
-    key as (
-      insert into gateway.api_keys (id, project_id, mode, key_sha256, key_hint, signing_secret_ciphertext)
-      select 'key_finishingFinishing01', id, 'live', sha256('k'), 'k', '\\x00' from project returning id, project_id
-    ), queue as (insert into gateway.queues (mode, model) values ('live', 'm') returning id),
-    lane as (insert into gateway.lanes (mode, upstream, model, queue_id) select 'live', 'primary', 'm', id from queue returning id),
-    requests as (
-      insert into gateway.requests (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, queue_id, lane_id,
-                                    prompt_tokens_estimate)
-      select 'req_finishing' || n || 'Finishing0000', key.project_id, 'live', key.id, 'processing', 1, 'm', '{}', sha256('b'),
-             queue.id, lane.id, 50
-      from key, queue, lane, generate_series(1, 2) as n
-      returning id
-    )
-    insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream) select id, 1, 'w', 'primary' from requests`);
+  const ids = [1, 2].map((n) => `req_finishing${n}Finishing0000`);
+  const { laneId } = await plantRunning(pool, { project: 'finishing', ids, promptTokensEstimate: 50 });
   await pool.query(`update gateway.lanes set ${lane}`);
-  const completions: Finish[] = [1, 2].map((n) => ({
-    kind: 'completed', id: `req_finishing${n}Finishing0000`, attempt: 1, laneId: '1', result: '{"object":"chat.completion"}',
+  const completions: Finish[] = ids.map((id) => ({
+    kind: 'completed', id, attempt: 1, laneId, result: '{"object":"chat.completion"}',
     usage: USAGE, upstreamStatus: 200, durationMs: 5,
   }));
   return { pool, db: createDb(pool), completions };

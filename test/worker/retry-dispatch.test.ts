@@ -7,6 +7,7 @@ import { createLogger } from '../../src/logger.ts';
 import { LANE_HEALTH } from '../../src/lanes/health.ts';
 import { finishAttempts, RETRY_SLOT_MS, type Finish } from '../../src/worker/attempts-repository.ts';
 import { createTestDatabase } from '../helpers/database.ts';
+import { plantRunning } from '../helpers/populate.ts';
 import { dispatchJobs } from '../helpers/rows.ts';
 
 const SETTINGS = { maxAttempts: 5, health: LANE_HEALTH };
@@ -17,22 +18,8 @@ t.test('40 retries after 429s, due within 100 ms of each other: one dispatch job
   const pool = createPool(url, { max: 2, applicationName: 'retry-dispatch-test', logger: createLogger({ logLevel: 'silent' }) });
   t.teardown(() => pool.end());
   const db = createDb(pool);
-  await pool.query(`
-    with project as (insert into gateway.projects (name) values ('retrying') returning id),
-    key as (
-      insert into gateway.api_keys (id, project_id, mode, key_sha256, key_hint, signing_secret_ciphertext)
-      select 'key_retryingRetrying0001', id, 'live', sha256('k'), 'k', '\\x00' from project returning id, project_id
-    ), queue as (insert into gateway.queues (mode, model) values ('live', 'm') returning id),
-    lane as (insert into gateway.lanes (mode, upstream, model, queue_id) select 'live', 'primary', 'm', id from queue returning id),
-    requests as (
-      insert into gateway.requests (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, queue_id, lane_id)
-      select 'req_retrying' || lpad(n::text, 2, '0') || 'Retrying00000', key.project_id, 'live', key.id, 'processing', 1, 'm', '{}',
-             sha256('b'), queue.id, lane.id
-      from key, queue, lane, generate_series(1, ${REQUESTS}) as n
-      returning id
-    )
-    insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream) select id, 1, 'w', 'primary' from requests`);
   const ids = Array.from({ length: REQUESTS }, (_, i) => `req_retrying${String(i + 1).padStart(2, '0')}Retrying00000`);
+  await plantRunning(pool, { project: 'retrying', ids });
   const retry = (id: string, index: number): Extract<Finish, { kind: 'retry' }> => ({
     kind: 'retry', id, attempt: 1, code: 'upstream_rate_limited', fault: 'rate_limited', detail: 'upstream answered HTTP 429',
     upstreamStatus: 429, durationMs: 5, delayMs: 1_000, unchargedDelayMs: 10_000 + (index % 20) * 5,
