@@ -169,12 +169,12 @@ export class GatewayProcess {
   #capture(child: ChildProcess): void {
     const pid = child.pid;
     const logFile = this.#options.logFile;
-    if (logFile) appendFileSync(logFile, `# ${new Date().toISOString()} start ${this.#starts} of ${this.label} (pid ${pid})\n`);
+    if (logFile) appendToLog(logFile, `# ${new Date().toISOString()} start ${this.#starts} of ${this.label} (pid ${pid})\n`);
     for (const stream of [child.stdout, child.stderr]) {
       let rest = '';
       stream?.setEncoding('utf8');
       stream?.on('data', (chunk: string) => {
-        if (logFile) appendFileSync(logFile, chunk);
+        if (logFile) appendToLog(logFile, chunk);
         const parts = (rest + chunk).split('\n');
         rest = parts.pop() ?? '';
         this.lines.push(...parts.filter(Boolean));
@@ -212,4 +212,17 @@ export function serveSettings(
     HOST: '127.0.0.1',
     ...settings,
   };
+}
+
+/**
+ * Appends to a log file, or lets the text go if the file's directory is gone: a fault scenario's
+ * run directory is removed once every scenario's logs were searched (faults/support/run.ts), and
+ * what a process says as it is stopped after that is read by nobody.
+ */
+export function appendToLog(file: string, text: string | Buffer): void {
+  try {
+    appendFileSync(file, text);
+  } catch (error) {
+    if ((error as NodeJS.ErrnoException).code !== 'ENOENT') throw error;
+  }
 }

@@ -2,7 +2,6 @@
 // .data/faults-<random> on a free port (never the machine's Postgres, nor the test harness's),
 // migrated, and deleted at the end. Its own log goes to the run's log directory with the
 // gateway processes' logs.
-import { appendFileSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import path from 'node:path';
 import { Writable } from 'node:stream';
@@ -12,6 +11,7 @@ import { createPool } from '../../../src/db/pool.ts';
 import { randomBase62 } from '../../../src/ids.ts';
 import { createLogger } from '../../../src/logger.ts';
 import { freePort } from '../../helpers/ports.ts';
+import { appendToLog } from '../../helpers/serve.ts';
 import { logFile } from './run.ts';
 
 const ROOT = new URL('../../../', import.meta.url).pathname;
@@ -36,7 +36,7 @@ export async function dedicatedPostgres(scenario: string): Promise<DedicatedPost
     { logLevel: 'debug' },
     new Writable({
       write(chunk: Buffer, _encoding, done) {
-        appendFileSync(file, chunk);
+        appendToLog(file, chunk);
         done();
       },
     }),
