@@ -160,7 +160,9 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         logger,
         queues,
         intake: intake ?? NO_INTAKE_LIMITS,
-        ...(dispatcher ? { onStored: (queueId: string) => dispatcher.poke(queueId) } : {}),
+        ...(dispatcher
+          ? { onStored: (queueId: string) => dispatcher.poke(queueId), reserveStart: (queueId: string) => dispatcher.reserveStart(queueId) }
+          : {}),
       });
       shutdown.server = await listen(app.callback(), config.port, config.host);
     }

@@ -103,6 +103,20 @@ export interface StartedAttempt {
   body: string;
 }
 
+/**
+ * Room for one call that a worker reserved for a request about to be accepted in its process:
+ * the accept may start the request's attempt on `laneId` itself (requests/insert-repository.ts).
+ */
+export interface StartReservation {
+  laneId: string;
+  /** The worker the attempt is recorded for. */
+  workerId: string;
+  /** The accept started the attempt: its call starts now. */
+  start(started: StartedAttempt): void;
+  /** The accept did not start it (or failed): the room is given back. Nothing once started. */
+  release(): void;
+}
+
 export interface QueueClaim {
   started: StartedAttempt[];
   /** Requests that are due are still waiting in the queue. */

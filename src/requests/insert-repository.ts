@@ -24,6 +24,8 @@ export interface NewRequest {
   prompt_tokens_estimate: number | null;
   /** How long it may take to finish: its deadline_at is its acceptance (now()) plus this. */
   deadline_ms: number;
+  /** Its attempt may start in the accept itself, on this lane, for this worker (see insertRequests). */
+  start?: { laneId: string; workerId: string } | undefined;
 }
 
 /** What a submission is answered with: enough for the acknowledgement and the 200. */
@@ -53,6 +55,14 @@ export type InsertResult =
  * known to be pending, and not about to run) get no job at all: the statement then makes no
  * add_jobs call, nor its NOTIFY, for them. A nonce and its request are stored together or not at
  * all. Returns one result per item, in order, and when each fallback added is due.
+ *
+ * A request given a `start` (a wait=true request in a process whose worker reserved room for its
+ * call: worker/dispatcher.ts reserveStart) is stored with its first attempt started on that lane,
+ * for that worker, when a claim of its queue would start it and nothing else: the lane is healthy
+ * and not paused, and no request of the queue is due (a claim takes the longest waiting first, so
+ * the new one waits its turn behind them). It saves the claim's round trip on the path of a
+ * caller waiting for the answer. Its status is then processing, and it is no reason to wake its
+ * queue.
  */
 export async function insertRequests(db: Db, items: readonly Item[], dispatch: Dispatch = { delayMs: 0 }): Promise<Inserted> {
   const fallback = dispatch.delayMs > 0;
@@ -68,21 +78,41 @@ export async function insertRequests(db: Db, items: readonly Item[], dispatch: D
       on conflict do nothing
       returning api_key_id, nonce
     ), accepted as (
-      select input.* from input
+      select input.*,
+             case when input.start_lane_id is null then false
+                  else exists (select from gateway.lanes
+                               where lanes.id = input.start_lane_id and lanes.queue_id = input.queue_id
+                                 and lanes.health = 'healthy' and not coalesce(lanes.paused_until > now(), false))
+                       and not exists (select from gateway.requests as due
+                                       where due.queue_id = input.queue_id and due.status in ('queued', 'retrying')
+                                         and due.next_attempt_at <= now())
+             end as starts
+      from input
       where input.nonce is null
          or exists (select from nonces where nonces.api_key_id = input.api_key_id and nonces.nonce = input.nonce)
     ), inserted as (
       insert into gateway.requests
         (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, queue_id,
-         prompt_tokens_estimate, next_attempt_at, deadline_at)
+         prompt_tokens_estimate, status, attempts, lane_id, next_attempt_at, deadline_at)
       select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key, queue_id,
-             prompt_tokens_estimate, now(), now() + deadline_ms * interval '1 millisecond'
+             prompt_tokens_estimate,
+             case when starts then 'processing' else 'queued' end, case when starts then 1 else 0 end,
+             case when starts then start_lane_id end, case when starts then null else now() end,
+             now() + deadline_ms * interval '1 millisecond'
       from accepted
       on conflict (project_id, mode, idempotency_key) where idempotency_key is not null do nothing
-      returning id, status, created_at, queue_id
+      returning id, status, created_at, queue_id, lane_id
+    ), started as (
+      insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream)
+      select inserted.id, 1, accepted.start_worker_id, lanes.upstream
+      from inserted
+      join accepted on accepted.id = inserted.id
+      join gateway.lanes on lanes.id = inserted.lane_id
+      where inserted.status = 'processing'
     ), woken as (
       select distinct inserted.queue_id from inserted
-      where not exists (select from gateway.queues where queues.id = inserted.queue_id and queues.wake_at > now())
+      where inserted.status = 'queued'
+        and not exists (select from gateway.queues where queues.id = inserted.queue_id and queues.wake_at > now())
         and inserted.queue_id <> all(${covered}::bigint[])
     ), jobs as (
       -- Each fallback added (or found, keeping its time), and how many milliseconds until it is due.
@@ -156,6 +186,8 @@ const INPUT_COLUMNS: readonly (readonly [name: string, type: string, pick: (item
   ['prompt_tokens_estimate', 'int', (i) => i.request.prompt_tokens_estimate],
   ['deadline_ms', 'float8', (i) => i.request.deadline_ms],
   ['nonce', 'text', (i) => i.nonce?.nonce ?? null],
+  ['start_lane_id', 'bigint', (i) => i.request.start?.laneId ?? null],
+  ['start_worker_id', 'text', (i) => i.request.start?.workerId ?? null],
 ];
 
 /**

@@ -10,6 +10,7 @@ import type { Batcher } from '../db/batcher.ts';
 import type { Auth } from '../keys/auth.ts';
 import type { Metrics } from '../metrics.ts';
 import { replayedRequest, type VerifiedSignature } from '../keys/signatures.ts';
+import type { StartReservation } from '../lanes/repository.ts';
 import type { QueueRouter, Routed } from '../lanes/routing.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import type { Intake } from './intake.ts';
@@ -37,6 +38,11 @@ export interface RequestDeps {
    * at once, rather than when its queued dispatch job is fetched.
    */
   onStored?: ((queueId: string) => void) | undefined;
+  /**
+   * Where this process also runs a worker: reserves room for the call of a wait=true request
+   * about to be stored in the queue, which the accept may then start itself (no claim after it).
+   */
+  reserveStart?: ((queueId: string) => StartReservation | undefined) | undefined;
 }
 
 export interface SubmitOptions {
@@ -79,15 +85,22 @@ export async function submit(
   deps.intake.admitSubmission(auth, options.bodyBytes ?? Buffer.byteLength(submission.body), id);
   let storedAsOwn = false;
   let watch: Watch | undefined;
+  let start: StartReservation | undefined;
   try {
     const routed = await deps.queues.route(auth.mode, submission);
     // Watching before the row exists means its completion cannot slip past us.
     watch = submission.wait ? deps.waiters.watch(id) : undefined;
-    const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature));
+    // Someone waits for the answer: the accept may start the call, saving the claim's round trip.
+    start = submission.wait ? deps.reserveStart?.(routed.queueId) : undefined;
+    const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature), start);
     storedAsOwn = !stored.replayed;
     let { answer } = stored;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
-    if (!stored.replayed) deps.onStored?.(stored.queueId);
+    if (!stored.replayed && start && answer.status === 'processing') {
+      start.start({ id, attempt: 1, probe: false, charged: 0, laneId: start.laneId, body: submission.body });
+    } else if (!stored.replayed) {
+      deps.onStored?.(stored.queueId);
+    }
     if (watch && answer.id !== id) {
       // An idempotent replay: watch the existing request instead, then read it again.
       watch.close();
@@ -99,6 +112,7 @@ export async function submit(
     watch = undefined; // the wait closes it
     return waiting;
   } finally {
+    start?.release();
     watch?.close();
     // MAX_UNFINISHED_PER_PROJECT counts only requests stored as their own: not a replay, nor
     // one refused or failed after its admission.
@@ -113,6 +127,7 @@ async function store(
   id: string,
   routed: Routed,
   nonce: Nonce | undefined,
+  start: StartReservation | undefined,
 ): Promise<{ answer: RequestAnswer; replayed: boolean; queueId: string }> {
   const request: NewRequest = {
     id,
@@ -127,6 +142,7 @@ async function store(
     prompt_tokens_estimate: routed.promptTokensEstimate,
     // A key's own deadline can only shorten REQUEST_DEADLINE.
     deadline_ms: Math.min(auth.requestDeadlineMs ?? Infinity, deps.config.requestDeadlineMs),
+    start: start && { laneId: start.laneId, workerId: start.workerId },
   };
   // Twice at most: the request holding the idempotency key may be deleted (retention) between
   // the insert that found it and the read that looks for it.

@@ -1,4 +1,4 @@
-// The one way an attempt starts. A dispatch of a model's queue asks Postgres for as many of its
+// How attempts start. A dispatch of a model's queue asks Postgres for as many of its
 // waiting requests as the lanes of its deployments allow, the first deployment preferred, each
 // lane within its health and limits and in its projects' turns (gateway.claim_queue, one
 // statement), and starts their upstream calls here. A call in flight holds a socket, a timer and
@@ -16,6 +16,10 @@
 // - room made in this process's capacity, for the queues that were waiting for it.
 // Dispatches of one queue in one process run one at a time: calls that arrive meanwhile share
 // the next.
+//
+// The one other way: a wait=true request that a process accepts may be stored with its first
+// attempt started, when a claim would start it and nothing else (reserveStart, and
+// requests/insert-repository.ts): its call then starts here without a claim.
 //
 // Models are the clients' to name (an upstream's pattern serves them), so what this process keeps
 // per queue is bounded: a queue's slot lives while a dispatch of it is under way or asked for, or
@@ -45,9 +49,10 @@ import {
   type Queue,
   type QueueClaim,
   type StartedAttempt,
+  type StartReservation,
 } from '../lanes/repository.ts';
 import { findEnded } from './attempts-repository.ts';
-import { deploymentsOf, modelLabel, NO_LIMITS, SIMULATOR, upstreamModel, type Upstream } from '../upstream/upstreams.ts';
+import { deploymentsOf, modelLabel, NO_LIMITS, SIMULATOR, upstreamModel, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { reportLaneChange } from './lane-changes.ts';
@@ -200,6 +205,39 @@ export class Dispatcher {
     return ended;
   }
 
+  /**
+   * Room for one call, reserved for a request of the queue that this process is about to accept
+   * and may start in the accept's own statement, with no claim after it (requests/insert-repository.ts
+   * says when it does). Only where a claim would do nothing more than start it: the queue's route
+   * is known here, its preferred deployment has no limits (each of which only a claim keeps), and
+   * this process has room. undefined otherwise: the request is accepted as queued, and dispatched.
+   */
+  reserveStart(queueId: string): StartReservation | undefined {
+    if (this.#stopping) return undefined;
+    const route = this.#routes.get(queueId);
+    const deployment = route?.deployments[0];
+    if (!route || !deployment || !hasNoLimits(deployment.limits)) return undefined;
+    const { mode } = route;
+    if (this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode] <= 0) return undefined;
+    this.#reserved[mode]++;
+    let held = true;
+    return {
+      laneId: deployment.laneId,
+      workerId: this.workerId,
+      start: (started) => {
+        if (!held) return;
+        held = false;
+        this.#reserved[mode]--;
+        this.#fly(queueId, deployment, started);
+      },
+      release: () => {
+        if (!held) return;
+        held = false;
+        this.#release(mode, 1);
+      },
+    };
+  }
+
   /** Dispatches the queue without waiting for it (its failures are logged). */
   poke(queueId: string): void {
     const queue = this.#queue(queueId);
@@ -307,7 +345,7 @@ export class Dispatcher {
         reserved--;
         const deployment = route.lanes.get(started.laneId)!;
         if (started.probe) this.#probing(deployment, route.model, started);
-        this.#fly(queue, deployment, started);
+        this.#fly(queue.id, deployment, started);
       }
       return claim;
     } finally {
@@ -323,7 +361,7 @@ export class Dispatcher {
     for (const waiting of this.#waitingForCapacity[mode]) this.poke(waiting.id);
   }
 
-  #fly(queue: QueueSlot, { target, limits }: Deployment, started: StartedAttempt): void {
+  #fly(queueId: string, { target, limits }: Deployment, started: StartedAttempt): void {
     const controller = new AbortController();
     const timer = setTimeout(abortTimedOut, this.#options.upstreamTimeoutMs, controller);
     this.#inFlight[target.mode]++;
@@ -332,7 +370,7 @@ export class Dispatcher {
       this.#calls.delete(started.id);
       this.#inFlight[target.mode]--;
       if (this.#stopping) return;
-      if (limits.maxConcurrent !== undefined) this.poke(queue.id);
+      if (limits.maxConcurrent !== undefined) this.poke(queueId);
       for (const waiting of this.#waitingForCapacity[target.mode]) this.poke(waiting.id);
     });
     this.#calls.set(started.id, { controller, done });
@@ -376,6 +414,9 @@ function renamedFor(upstream: Upstream, model: string): string | undefined {
   const own = upstreamModel(upstream, model);
   return own === model ? undefined : own;
 }
+
+const hasNoLimits = (limits: LaneLimits) =>
+  limits.maxConcurrent === undefined && limits.requestsPerMinute === undefined && limits.tokensPerMinute === undefined;
 
 function abortTimedOut(controller: AbortController): void {
   controller.abort(ABORTED_BY_TIMEOUT);
