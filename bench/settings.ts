@@ -16,7 +16,7 @@ export interface Settings {
   connections: number;
   /** Offered rate of the wait=true overhead phase, requests per second. */
   waitRate: number;
-  /** A low rate measured first, for reference: the overhead when nothing queues. */
+  /** A low rate measured first: the overhead when nothing queues, and the gateway is quiet between requests. */
   waitReferenceRate: number;
   /** Simulated upstream time of the wait=true overhead phase (model test-delay-<ms>). */
   waitDelayMs: number;
