@@ -228,6 +228,12 @@ export class Dispatcher {
         if (!held) return;
         held = false;
         this.#reserved[mode]--;
+        if (this.#stopping) {
+          // Stored as the worker stopped: no call starts now (none could be recorded after the
+          // stop), and its attempt is recovered as worker_lost once this worker is gone.
+          this.#log.warn({ requestId: started.id }, 'request accepted while the worker stopped: its attempt is left to the supervisor');
+          return;
+        }
         this.#fly(queueId, deployment, started);
       },
       release: () => {
