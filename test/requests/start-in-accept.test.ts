@@ -9,8 +9,9 @@ import { ensureLanes, ensureQueue } from '../../src/lanes/repository.ts';
 import { insertRequests, type NewRequest } from '../../src/requests/insert-repository.ts';
 import { SIMULATOR } from '../../src/upstream/upstreams.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
-import { clientFor, userMessage } from '../helpers/http.ts';
-import { completionAfter, startFakeUpstream } from '../helpers/upstream.ts';
+import { clientFor, send, userMessage } from '../helpers/http.ts';
+import { completionAfter, completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { until } from '../helpers/wait.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { attemptRows, dispatchJobs, requestRow } from '../helpers/rows.ts';
 
@@ -49,6 +50,34 @@ t.test('through the API: once the queue is known to the process, its wait=true r
   const [attempt] = await attemptRows(gateway.db, id);
   const request = (await requestRow(gateway.db, id))!;
   t.ok(attempt === undefined || attempt.started_at > request.created_at, 'and is claimed after its accept');
+});
+
+t.test('a request started in its accept is cancelled as any other: its call aborted, its waiting client answered', async (t) => {
+  // The first call is answered (the process learns the queue's route with it); the next hangs.
+  const upstream = await startFakeUpstream(t, (call) => (call.count === 1 ? { status: 200, json: completionFor(call.body) } : { hang: true }));
+  const gateway = await startTestGateway(t, { role: 'all', env: { UPSTREAM_BASE_URL: upstream.baseUrl, WAIT_TIMEOUT_MS: '20000' } });
+  const key = await gateway.createKey({ mode: 'live' });
+  const client = clientFor(gateway.url, key);
+  t.equal((await client.post({ model: 'gpt-x', messages: userMessage('first'), wait: true })).status, 200);
+
+  const waiting = client.post({ model: 'gpt-x', messages: userMessage('second'), wait: true });
+  await until(() => upstream.calls.length === 2, 'the second call to reach the upstream', 10_000);
+  const { rows } = await sql<{ id: string }>`
+    select id from gateway.requests where body->'messages'->0->>'content' = 'second'
+  `.execute(gateway.db);
+  const id = rows[0]!.id;
+  const [attempt] = await attemptRows(gateway.db, id);
+  const request = (await requestRow(gateway.db, id))!;
+  t.equal(attempt!.started_at.getTime(), request.created_at.getTime(), 'it was started in its accept');
+
+  const cancelled = await send(gateway.url, { method: 'POST', path: `/v1/requests/${id}/cancel`, key });
+  t.match(cancelled, { status: 200, body: { status: 'cancelled', attempts: 1 } });
+  const acknowledged = await waiting;
+  t.match(acknowledged, { status: 202, body: { id, status: 'cancelled' } }, 'the waiting client is answered');
+  const call = upstream.calls[1]!;
+  await until(() => call.endedAt !== undefined, 'the upstream connection to close', 5_000);
+  await until(async () => (await attemptRows(gateway.db, id))[0]?.outcome === 'cancelled', 'the attempt to be recorded as cancelled', 5_000);
+  t.equal(upstream.calls.length, 2, 'no retry');
 });
 
 t.test("a lane with max_concurrent: its requests are claimed, and the limit holds", async (t) => {
