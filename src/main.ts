@@ -147,6 +147,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         pool: apiPool,
         db,
         inserts: new InsertBatcher(db, {
+          maxInFlight: 2,
           onGroup: (size) => metrics.insertGroupSize.observe(size),
           // This process's dispatcher takes what it accepts at once; the jobs are its fallback.
           ...(dispatcher ? { dispatchDelayMs: OWN_DISPATCH_FALLBACK_MS } : {}),

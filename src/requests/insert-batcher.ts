@@ -28,11 +28,7 @@ interface Item {
 }
 
 export interface InsertBatcherOptions {
-  /**
-   * Statements under way at once, of the groups of small bodies (the large ones: one). One by
-   * default: what arrives meanwhile makes the next group, and larger groups cost the API and
-   * Postgres less per request (BENCHMARKS.md, "accept").
-   */
+  /** Statements under way at once, of the groups of small bodies (the large ones: one). */
   maxInFlight?: number;
   maxBatch?: number;
   onGroup?: (size: number) => void;
@@ -63,7 +59,7 @@ export class InsertBatcher {
         maxBytes: { max: GROUP_BYTES, sizeOf: (item) => Buffer.byteLength(item.request.body) },
         ...(options.onGroup ? { onGroup: options.onGroup } : {}),
       });
-    this.#small = batcher(options.maxInFlight ?? 1);
+    this.#small = batcher(options.maxInFlight ?? 2);
     this.#large = batcher(1);
   }
 
