@@ -37,6 +37,10 @@ t.test('each metric family counts what happened', async (t) => {
   for (const id of ids) await waitForRow(gateway.db, id, isTerminal);
   await test.get(ids[0]!);
   await test.get('req_00000000000000000000'); // 404
+  // The worker counts a completion's tokens once its finish statement has answered, which can be
+  // a moment after the row shows the request ended.
+  const liveCompletionTokens = 'gateway_tokens_total{mode="live",upstream="default",model="*",kind="completion"}';
+  await until(async () => (await scrape(gateway.metricsUrl)).get(liveCompletionTokens) === 3, 'the worker to count the live completion\'s tokens');
 
   const text = (await send(gateway.metricsUrl, { path: '/metrics' })).text;
   const m = parseMetrics(text);
