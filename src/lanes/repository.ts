@@ -111,8 +111,8 @@ export interface StartReservation {
   laneId: string;
   /** The worker the attempt is recorded for. */
   workerId: string;
-  /** The accept started the attempt: its call starts now. */
-  start(started: StartedAttempt): void;
+  /** The accept stored the request with its first attempt started: its call starts now. */
+  start(requestId: string, body: string): void;
   /** The accept did not start it (or failed): the room is given back. Nothing once started. */
   release(): void;
 }

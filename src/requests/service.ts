@@ -96,10 +96,9 @@ export async function submit(
     storedAsOwn = !stored.replayed;
     let { answer } = stored;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
-    if (!stored.replayed && start && answer.status === 'processing') {
-      start.start({ id, attempt: 1, probe: false, charged: 0, laneId: start.laneId, body: submission.body });
-    } else if (!stored.replayed) {
-      deps.onStored?.(stored.queueId);
+    if (!stored.replayed) {
+      if (start && answer.status === 'processing') start.start(id, submission.body);
+      else deps.onStored?.(stored.queueId);
     }
     if (watch && answer.id !== id) {
       // An idempotent replay: watch the existing request instead, then read it again.

@@ -224,17 +224,17 @@ export class Dispatcher {
     return {
       laneId: deployment.laneId,
       workerId: this.workerId,
-      start: (started) => {
+      start: (requestId, body) => {
         if (!held) return;
         held = false;
         this.#reserved[mode]--;
         if (this.#stopping) {
           // Stored as the worker stopped: no call starts now (none could be recorded after the
           // stop), and its attempt is recovered as worker_lost once this worker is gone.
-          this.#log.warn({ requestId: started.id }, 'request accepted while the worker stopped: its attempt is left to the supervisor');
+          this.#log.warn({ requestId }, 'request accepted while the worker stopped: its attempt is left to the supervisor');
           return;
         }
-        this.#fly(queueId, deployment, started);
+        this.#fly(queueId, deployment, { id: requestId, attempt: 1, probe: false, charged: 0, laneId: deployment.laneId, body });
       },
       release: () => {
         if (!held) return;

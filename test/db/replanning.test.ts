@@ -5,24 +5,20 @@
 import { sql } from 'kysely';
 import type pg from 'pg';
 import t, { type Test } from 'tap';
-import { createDb, createPool, type Db, REPLAN_EVERY } from '../../src/db/pool.ts';
-import { createLogger } from '../../src/logger.ts';
+import { type Db, REPLAN_EVERY } from '../../src/db/pool.ts';
 import { LANE_HEALTH } from '../../src/lanes/health.ts';
 import { claimQueue } from '../../src/lanes/repository.ts';
 import { findRequests } from '../../src/requests/read-repository.ts';
 import { NO_LIMITS } from '../../src/upstream/upstreams.ts';
 import { finishAttempts } from '../../src/worker/attempts-repository.ts';
-import { createTestDatabase } from '../helpers/database.ts';
+import { testDatabasePool } from '../helpers/database.ts';
 
 const ROWS = 20_000;
 const GROUP = 8;
 
 t.test('a group claimed and finished after the tables grew does not scan them whole', async (t) => {
-  const url = await createTestDatabase(t);
   // One connection, so every statement below runs on the one whose plans were made early.
-  const pool = createPool(url, { max: 1, applicationName: 'replanning-test', logger: createLogger({ logLevel: 'silent' }) });
-  t.teardown(() => pool.end());
-  const db = createDb(pool);
+  const { pool, db } = await testDatabasePool(t, 'replanning-test', 1);
   // Plans are made again when a table they read is analyzed: autovacuum doing so during the test
   // (it visits a new database's tables soon after it is created) would replace the early plans
   // before they are checked. Off for every table the statements read. (So would a reset of the

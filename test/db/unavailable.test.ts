@@ -6,7 +6,7 @@ import pg from 'pg';
 import t from 'tap';
 import { createDb, createPool, isDatabaseUnavailable, isUnavailableState } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
-import { adminQuery, createTestDatabase, urlForDatabase } from '../helpers/database.ts';
+import { adminQuery, createTestDatabase, testDatabasePool, urlForDatabase } from '../helpers/database.ts';
 import { freePort } from '../helpers/ports.ts';
 import { startTcpProxy } from '../helpers/tcp-proxy.ts';
 import { until } from '../helpers/wait.ts';
@@ -86,10 +86,7 @@ t.test("pg's messages alone mean nothing: an error not raised while getting or u
 });
 
 t.test('against a real server: what each failure is', async (t) => {
-  const url = await createTestDatabase(t);
-  const pool = createPool(url, { max: 2, applicationName: 'unavailable-test', logger });
-  t.teardown(() => pool.end());
-  const db = createDb(pool);
+  const { url, pool, db } = await testDatabasePool(t, 'unavailable-test');
   const failure = (run: () => Promise<unknown>) => run().then(() => undefined, (error: unknown) => error);
 
   const syntax = await failure(() => sql`selec 1`.execute(db));

@@ -2,6 +2,8 @@
 // (scripts/test.ts), dropped again when the test ends.
 import { randomBytes } from 'node:crypto';
 import pg from 'pg';
+import { createDb, createPool, type Db } from '../../src/db/pool.ts';
+import { createLogger } from '../../src/logger.ts';
 import type { Teardown } from './teardown.ts';
 
 export function urlForDatabase(url: string, database: string): string {
@@ -41,6 +43,21 @@ export async function createTestDatabase(t: Teardown): Promise<string> {
     }),
   );
   return urlForDatabase(adminUrl, name);
+}
+
+/**
+ * A fresh database (createTestDatabase) with a pool of `max` connections on it, named
+ * `applicationName` in pg_stat_activity, and its kysely instance: ended and dropped at teardown.
+ */
+export async function testDatabasePool(
+  t: Teardown,
+  applicationName: string,
+  max = 2,
+): Promise<{ url: string; pool: pg.Pool; db: Db }> {
+  const url = await createTestDatabase(t);
+  const pool = createPool(url, { max, applicationName, logger: createLogger({ logLevel: 'silent' }) });
+  t.teardown(() => pool.end());
+  return { url, pool, db: createDb(pool) };
 }
 
 /** Runs `run` on a connection of its own to `url` (as the harness's admin role, unless `url` names

@@ -13,7 +13,16 @@ import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { completionAfter, completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
-import { attemptRows, dispatchJobs, requestRow } from '../helpers/rows.ts';
+import { attemptRows, dispatchJobs, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
+import type { Db } from '../../src/db/pool.ts';
+
+/** The request whose one message is `content` (a wait=true answer carries no request id). */
+async function requestOf(db: Db, content: string) {
+  const { rows } = await sql<{ id: string }>`
+    select id from gateway.requests where body->'messages'->0->>'content' = ${content}
+  `.execute(db);
+  return (await requestRow(db, rows[0]!.id))!;
+}
 
 t.test('through the API: once the queue is known to the process, its wait=true requests start in their accept', async (t) => {
   const gateway = await startTestGateway(t, { role: 'all' });
@@ -22,10 +31,7 @@ t.test('through the API: once the queue is known to the process, its wait=true r
     const { status, body } = await client.post({ model: 'test-echo', messages: userMessage(content), wait: true });
     t.equal(status, 200, `"${content}" is answered with its completion`);
     t.equal(body.choices[0].message.content, content);
-    const { rows } = await sql<{ id: string }>`
-      select id from gateway.requests where body->'messages'->0->>'content' = ${content}
-    `.execute(gateway.db);
-    const request = (await requestRow(gateway.db, rows[0]!.id))!;
+    const request = await requestOf(gateway.db, content);
     const [attempt] = await attemptRows(gateway.db, request.id);
     t.equal(request.status, 'completed');
     return { request, attempt: attempt! };
@@ -46,10 +52,10 @@ t.test('through the API: once the queue is known to the process, its wait=true r
   const { body } = await client.post({ model: 'test-echo', messages: userMessage('no wait') });
   const id = body.id as string;
   t.equal(body.status, 'queued', 'a wait=false request is acknowledged queued, as before');
-  await gateway.stop();
+  const request = await waitForRow(gateway.db, id, isTerminal);
   const [attempt] = await attemptRows(gateway.db, id);
-  const request = (await requestRow(gateway.db, id))!;
-  t.ok(attempt === undefined || attempt.started_at > request.created_at, 'and is claimed after its accept');
+  t.equal(request.status, 'completed');
+  t.ok(attempt!.started_at > request.created_at, 'and is claimed after its accept');
 });
 
 t.test('a request started in its accept is cancelled as any other: its call aborted, its waiting client answered', async (t) => {
@@ -62,12 +68,9 @@ t.test('a request started in its accept is cancelled as any other: its call abor
 
   const waiting = client.post({ model: 'gpt-x', messages: userMessage('second'), wait: true });
   await until(() => upstream.calls.length === 2, 'the second call to reach the upstream', 10_000);
-  const { rows } = await sql<{ id: string }>`
-    select id from gateway.requests where body->'messages'->0->>'content' = 'second'
-  `.execute(gateway.db);
-  const id = rows[0]!.id;
+  const request = await requestOf(gateway.db, 'second');
+  const { id } = request;
   const [attempt] = await attemptRows(gateway.db, id);
-  const request = (await requestRow(gateway.db, id))!;
   t.equal(attempt!.started_at.getTime(), request.created_at.getTime(), 'it was started in its accept');
 
   const cancelled = await send(gateway.url, { method: 'POST', path: `/v1/requests/${id}/cancel`, key });
@@ -161,9 +164,10 @@ t.test('the accept starts the attempt only where a claim would start that reques
     await sql`update gateway.lanes set paused_until = now() + interval '1 hour' where id = ${paused.laneId}`.execute(gateway.db);
     const open = await queueOf('start-open');
     await sql`update gateway.lanes set health = 'open', probe_at = now() + interval '1 hour' where id = ${open.laneId}`.execute(gateway.db);
-    t.same(await insert(request(paused), request(open)), ['queued', 'queued']);
-    const { rows } = await sql<{ n: string }>`select count(*) as n from gateway.request_attempts where worker_id = ${workerId}`.execute(gateway.db);
-    t.equal(Number(rows[0]!.n), 2, 'only the two started above have attempts');
+    const [onPaused, onOpen] = [request(paused), request(open)];
+    t.same(await insert(onPaused, onOpen), ['queued', 'queued']);
+    t.same(await attemptRows(gateway.db, onPaused.id), [], 'no attempt on the paused lane');
+    t.same(await attemptRows(gateway.db, onOpen.id), [], 'nor on the open one');
   });
 
   await t.test('requests of the queue are due: the new one waits its turn behind them', async (t) => {

@@ -3,20 +3,16 @@
 // of failures, a token allowance) learns from them as from any other group.
 import type pg from 'pg';
 import t, { type Test } from 'tap';
-import { createDb, createPool } from '../../src/db/pool.ts';
-import { createLogger } from '../../src/logger.ts';
 import { LANE_HEALTH } from '../../src/lanes/health.ts';
 import { finishAttempts, type Finish } from '../../src/worker/attempts-repository.ts';
-import { createTestDatabase } from '../helpers/database.ts';
+import { testDatabasePool } from '../helpers/database.ts';
 import { plantRunning } from '../helpers/populate.ts';
 
 const SETTINGS = { maxAttempts: 5, health: LANE_HEALTH };
 const USAGE = { prompt: 60, completion: 20, total: 80 };
 
 async function setUp(t: Test, lane: string) {
-  const url = await createTestDatabase(t);
-  const pool = createPool(url, { max: 2, applicationName: 'finish-completions-test', logger: createLogger({ logLevel: 'silent' }) });
-  t.teardown(() => pool.end());
+  const { pool, db } = await testDatabasePool(t, 'finish-completions-test');
   const ids = [1, 2].map((n) => `req_finishing${n}Finishing0000`);
   const { laneId } = await plantRunning(pool, { project: 'finishing', ids, promptTokensEstimate: 50 });
   await pool.query(`update gateway.lanes set ${lane}`);
@@ -24,7 +20,7 @@ async function setUp(t: Test, lane: string) {
     kind: 'completed', id, attempt: 1, laneId, result: '{"object":"chat.completion"}',
     usage: USAGE, upstreamStatus: 200, durationMs: 5,
   }));
-  return { pool, db: createDb(pool), completions };
+  return { pool, db, completions };
 }
 
 const laneRow = async (pool: pg.Pool) => (await pool.query('select * from gateway.lanes')).rows[0] as Record<string, unknown>;

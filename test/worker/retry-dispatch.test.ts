@@ -2,11 +2,9 @@
 // each of many calls adds one job per slot of time the retries fall in, each due when its slot
 // ends, not one job per retry, each of which would be fetched, run and recorded on its own.
 import t from 'tap';
-import { createDb, createPool } from '../../src/db/pool.ts';
-import { createLogger } from '../../src/logger.ts';
 import { LANE_HEALTH } from '../../src/lanes/health.ts';
 import { finishAttempts, RETRY_SLOT_MS, type Finish } from '../../src/worker/attempts-repository.ts';
-import { createTestDatabase } from '../helpers/database.ts';
+import { testDatabasePool } from '../helpers/database.ts';
 import { plantRunning } from '../helpers/populate.ts';
 import { dispatchJobs } from '../helpers/rows.ts';
 
@@ -14,10 +12,7 @@ const SETTINGS = { maxAttempts: 5, health: LANE_HEALTH };
 const REQUESTS = 40;
 
 t.test('40 retries after 429s, due within 100 ms of each other: one dispatch job per slot they fall in, each due when its slot ends', async (t) => {
-  const url = await createTestDatabase(t);
-  const pool = createPool(url, { max: 2, applicationName: 'retry-dispatch-test', logger: createLogger({ logLevel: 'silent' }) });
-  t.teardown(() => pool.end());
-  const db = createDb(pool);
+  const { pool, db } = await testDatabasePool(t, 'retry-dispatch-test');
   const ids = Array.from({ length: REQUESTS }, (_, i) => `req_retrying${String(i + 1).padStart(2, '0')}Retrying00000`);
   await plantRunning(pool, { project: 'retrying', ids });
   const retry = (id: string, index: number): Extract<Finish, { kind: 'retry' }> => ({
