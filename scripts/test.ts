@@ -2,20 +2,25 @@
 // under .data/ when it is unset), a template database migrated once, then tap. Each test file
 // clones the template into a database of its own (test/helpers/database.ts).
 //
-// tap runs three times, each run a round with nothing else beside it:
+// tap runs in three rounds:
 // 1. the files that may run beside others, `tap.jobs` of them at once: short, and timing nothing;
 // 2. the few that take a minute or more (LONG), all at once: an upstream down for two minutes at
 //    four requests a second, a webhook receiver down for thirty, a worker killed and waited for.
-//    Each waits far more than it computes: together they use about one of two cores. Within
-//    the first round, which tap starts in the order of the files' paths, they would start late
-//    and end it alone on an idle machine; beside its other files, some failed their time bounds;
-//    and one after another they took twelve minutes;
-// 3. the files of `tap.serial`, one at a time: those that time or load the machine, and would
-//    fail for want of CPU on two cores beside other files, and those that other files' work
-//    upsets (the replanning test's early plans, which any cluster-wide cache reset replaces).
-//    (tap alone runs a serial file only once every file before it has ended: among the others,
-//    each would hold the run up behind the slowest of them.)
-// Each round runs whatever the one before gave, so that one run reports every failure.
+//    Each waits far more than it computes: together they use about one of two cores. Beside
+//    them, in tap runs of their own, the files of `tap.serial` go one at a time: those that time
+//    or load the machine, and would fail for want of CPU on two cores beside several other
+//    files. Those of LOADED, which keep both cores busy, go last, once most of the long files
+//    have ended: at the start, beside all eleven, they held up the chaos upstream's worker
+//    longer than its checks allow for. (Within the first round, the long files would start
+//    late, in the order of the files' paths, and end it alone on an idle machine; beside its
+//    other files, some failed their time bounds; and one after another they took twelve
+//    minutes.)
+// 3. the files of ALONE, one at a time with nothing beside them: the noisy neighbour, whose
+//    figure is a ratio of latencies that any other work on the machine skews, and the replanning
+//    test, whose early plans any cluster-wide cache reset replaces.
+// (tap alone runs a serial file only once every file before it has ended: among the others,
+// each would hold the run up behind the slowest of them.) Each round runs whatever the one
+// before gave, so that one run reports every failure.
 import { spawn } from 'node:child_process';
 import { existsSync, globSync, readFileSync, statSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
@@ -43,6 +48,11 @@ const LONG = [
   'test/worker/recording-outage.test.ts',
 ];
 
+/** Files of `tap.serial` that keep both cores busy: the last of the second round's (above). */
+const LOADED = ['test/faults/3-postgres-outage.test.ts', 'test/requests/lookup-memory.test.ts'];
+/** Files of `tap.serial` that nothing may run beside: the third round (above). */
+const ALONE = ['test/db/replanning.test.ts', 'test/faults/8-noisy-neighbour.test.ts'];
+
 const config = loadConfig();
 const tapConfig = (JSON.parse(readFileSync('package.json', 'utf8')) as { tap: { include: string[]; serial: string[] } }).tap;
 const logger = createLogger({ logLevel: 'warn' }, process.stderr);
@@ -69,11 +79,29 @@ try {
   // go to every round; the other arguments name the files.
   const args = process.argv.slice(2);
   const options = args.filter((arg) => arg.startsWith('-'));
-  const { beside, long, alone } = rounds(testFiles(args.filter((arg) => !arg.startsWith('-'))));
+  const { beside, long, serial, loaded, alone } = rounds(testFiles(args.filter((arg) => !arg.startsWith('-'))));
   const codes = [];
-  if (beside.length > 0) codes.push(await runTap([...options, ...beside], env));
-  if (long.length > 0) codes.push(await runTap([`--jobs=${long.length}`, ...options, ...long], env));
-  if (alone.length > 0) codes.push(await runTap(['--jobs=1', ...options, ...alone], env));
+  if (beside.length > 0) codes.push((await runTap([...options, ...beside], env)).code);
+  // The long files in one tap run, and beside it the serial ones in two after each other (tap
+  // runs its files in the order of their paths). The serial runs' output is held and printed
+  // once all have ended, so that no line is cut into another's.
+  const held = long.length > 0;
+  const serialRuns = async () => {
+    const runs = [];
+    for (const files of [serial, loaded]) {
+      if (files.length > 0) runs.push(await runTap(['--jobs=1', ...options, ...files], env, { held }));
+    }
+    return runs;
+  };
+  const [longRun, serialRun] = await Promise.all([
+    long.length > 0 ? runTap([`--jobs=${long.length}`, ...options, ...long], env) : undefined,
+    serialRuns(),
+  ]);
+  for (const run of [...(longRun ? [longRun] : []), ...serialRun]) {
+    run.print();
+    codes.push(run.code);
+  }
+  if (alone.length > 0) codes.push((await runTap(['--jobs=1', ...options, ...alone], env)).code);
   exitCode = codes.find((code) => code !== 0) ?? 0;
 } finally {
   await adminQuery(adminUrl, (client) => client.query(`drop database if exists ${template}`)).catch((error) =>
@@ -100,8 +128,8 @@ function testFiles(args: readonly string[]): string[] {
   return [...new Set(files)].sort();
 }
 
-/** The files of each round: those that may run beside others, LONG's, and those of `tap.serial`. */
-function rounds(files: readonly string[]): { beside: string[]; long: string[]; alone: string[] } {
+/** The files of each round: those that may run beside others; LONG's, and `tap.serial`'s but LOADED's and ALONE's, then LOADED's; ALONE's. */
+function rounds(files: readonly string[]): { beside: string[]; long: string[]; serial: string[]; loaded: string[]; alone: string[] } {
   const within = (entries: readonly string[], where: string) => {
     const prefixes = entries.map((entry) => {
       if (!existsSync(entry)) throw new Error(`${where} names ${entry}, which does not exist`);
@@ -111,16 +139,43 @@ function rounds(files: readonly string[]): { beside: string[]; long: string[]; a
   };
   const isSerial = within(tapConfig.serial, 'tap.serial in package.json');
   const isLong = within(LONG, 'LONG in scripts/test.ts');
+  const isLoaded = within(LOADED, 'LOADED in scripts/test.ts');
+  const isAlone = within(ALONE, 'ALONE in scripts/test.ts');
+  for (const [name, entries] of Object.entries({ LOADED, ALONE })) {
+    const outside = entries.find((entry) => !isSerial(entry));
+    if (outside) throw new Error(`${name} in scripts/test.ts names ${outside}, which tap.serial in package.json does not`);
+  }
   return {
     beside: files.filter((file) => !isLong(file) && !isSerial(file)),
     long: files.filter((file) => isLong(file) && !isSerial(file)),
-    alone: files.filter(isSerial),
+    serial: files.filter((file) => isSerial(file) && !isLoaded(file) && !isAlone(file)),
+    loaded: files.filter((file) => isLoaded(file) && !isAlone(file)),
+    alone: files.filter(isAlone),
   };
 }
 
-function runTap(args: string[], env: Record<string, string>): Promise<number> {
+/** A tap run that has ended: its exit code, and print() writes what it held back, if anything. */
+interface TapRun {
+  code: number;
+  print(): void;
+}
+
+function runTap(args: string[], env: Record<string, string>, { held = false } = {}): Promise<TapRun> {
   // CI reads tap's plain TAP output (each run's closing "# { total, pass, fail }" line).
   const reporter = process.env.CI ? ['--reporter=tap'] : [];
-  const child = spawn('tap', [...reporter, ...args], { stdio: 'inherit', env: { ...process.env, ...env } });
-  return new Promise((resolve) => child.on('exit', (code, signal) => resolve(code ?? (signal ? 1 : 0))));
+  const child = spawn('tap', [...reporter, ...args], {
+    stdio: held ? ['ignore', 'pipe', 'pipe'] : 'inherit',
+    env: { ...process.env, ...env },
+  });
+  const output: Buffer[] = [];
+  const errors: Buffer[] = [];
+  child.stdout?.on('data', (chunk: Buffer) => output.push(chunk));
+  child.stderr?.on('data', (chunk: Buffer) => errors.push(chunk));
+  const print = () => {
+    process.stdout.write(Buffer.concat(output));
+    process.stderr.write(Buffer.concat(errors));
+  };
+  return new Promise((resolve) =>
+    child.on('close', (code, signal) => resolve({ code: code ?? (signal ? 1 : 0), print })),
+  );
 }
