@@ -111,6 +111,8 @@ const WARMUP_MS = 3_000;
 const BASELINE_MS = seconds('NEIGHBOUR_BASELINE_S', 20);
 const ATTACK_MS = seconds('NEIGHBOUR_ATTACK_S', 20);
 const AFTER_MS = seconds('NEIGHBOUR_AFTER_S', 10);
+/** The attack's first moments, where B's slowest requests are: Postgres's backends are looked at every 20 ms then. */
+const ATTACK_START_MS = 2_000;
 
 function chosenAttacks(text: string | undefined): Attack[] {
   if (text === undefined || text.trim() === '' || text.trim() === 'all') return [...ATTACKS];
@@ -254,8 +256,9 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   t.comment(`phases (the attack from ${new Date(schedule.attackAt).toISOString()}): warm-up ${WARMUP_MS / 1000} s, baseline ${BASELINE_MS / 1000} s, attack ${ATTACK_MS / 1000} s, after ${AFTER_MS / 1000} s; A's attacks: ${RUNNING.map((attack) => `${attack} (${ATTACK_RATES[attack]}/s)`).join(', ') || 'none'}, over ${A_CONNECTIONS} connections at most`);
   t.comment(`settings: ${Object.entries({ ...SETTINGS, ...CHANGED }).filter(([name]) => name !== 'PROVIDER_API_KEY').map(([name, value]) => `${name}=${value}`).join(' ')}`);
 
-  // The main thread's samplers: a snapshot at each boundary, pg_stat_activity every 250 ms, the
-  // gauges of both processes every second.
+  // The main thread's samplers: a snapshot at each boundary, pg_stat_activity every 250 ms (and
+  // every 20 ms in the attack's first ATTACK_START_MS, where B's slowest requests are, counted
+  // apart), the gauges of both processes every second.
   const snapshot = async (): Promise<Snapshot> => {
     const [apiMetrics, workerMetrics, wal] = await Promise.all([
       scrape(metricsUrls.api).catch(() => new Map<string, number>()),
@@ -283,19 +286,29 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       snapshots.push(await snapshot());
     }
   })();
+  const attackStart: Samples['activity'] = { looks: 0, waits: {}, statements: {} };
+  const count = (activity: Samples['activity'], active: { waits: string[]; statements: string[] }) => {
+    activity.looks++;
+    for (const name of active.waits) activity.waits[name] = (activity.waits[name] ?? 0) + 1;
+    for (const name of active.statements) activity.statements[name] = (activity.statements[name] ?? 0) + 1;
+  };
   let samplingDone = false;
   const activityLoop = (async () => {
     await sleep(Math.max(0, schedule.warmupAt - Date.now()));
+    const attackStartEnd = schedule.attackAt + ATTACK_START_MS;
+    let regularAt = Date.now();
     while (!samplingDone) {
-      const phase = phaseAt(schedule, Date.now());
+      const at = Date.now();
+      const phase = phaseAt(schedule, at);
       const active = await activeBackends(faults.pool).catch(() => undefined);
-      if (phase && active) {
-        samples[phase].activity.looks++;
-        const { activity } = samples[phase];
-        for (const name of active.waits) activity.waits[name] = (activity.waits[name] ?? 0) + 1;
-        for (const name of active.statements) activity.statements[name] = (activity.statements[name] ?? 0) + 1;
+      if (at >= regularAt) {
+        if (phase && active) count(samples[phase].activity, active);
+        regularAt = at + 250;
       }
-      await sleep(250);
+      if (active && at >= schedule.attackAt && at < attackStartEnd) count(attackStart, active);
+      const now = Date.now();
+      const wake = now < attackStartEnd ? Math.min(regularAt, Math.max(schedule.attackAt, now + 20)) : regularAt;
+      await sleep(Math.max(0, wake - now));
     }
   })();
   const gaugeLoop = (async () => {
@@ -509,15 +522,19 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
         `test threads: ${threadLag('tenant')}, ${threadLag('attacker')}, ${threadLag('provider')}, ${threadLag('main')}`,
     );
     t.comment(`${phase}: api open file descriptors (its clients' connections, mostly) max ${max(s.apiOpenFds)}; api pool in use max ${max(s.apiPoolInUse)} (mean ${mean(s.apiPoolInUse)}), callers waiting for a connection max ${max(s.apiPoolWaiting)} (mean ${mean(s.apiPoolWaiting)}); worker pool waiting max ${max(s.workerPoolWaiting)}`);
-    const means = (counts: Record<string, number>, top: number) =>
-      Object.entries(counts)
-        .map(([name, count]) => [name, count / Math.max(1, s.activity.looks)] as const)
+    const means = (activity: Samples['activity'], which: 'waits' | 'statements', top: number) =>
+      Object.entries(activity[which])
+        .map(([name, count]) => [name, count / Math.max(1, activity.looks)] as const)
         .sort((x, y) => y[1] - x[1])
         .slice(0, top)
         .map(([name, value]) => `${name} ${round(value)}`)
         .join(', ') || 'none';
-    t.comment(`${phase}: Postgres backends busy (active, or idle in a transaction; mean of ${s.activity.looks} looks): ${means(s.activity.waits, 10)}`);
-    t.comment(`${phase}: their statements: ${means(s.activity.statements, 8)}`);
+    t.comment(`${phase}: Postgres backends busy (active, or idle in a transaction; mean of ${s.activity.looks} looks): ${means(s.activity, 'waits', 10)}`);
+    t.comment(`${phase}: their statements: ${means(s.activity, 'statements', 8)}`);
+    if (phase === 'attack') {
+      t.comment(`attack's first ${ATTACK_START_MS / 1000} s: Postgres backends busy (mean of ${attackStart.looks} looks, 20 ms apart): ${means(attackStart, 'waits', 10)}`);
+      t.comment(`attack's first ${ATTACK_START_MS / 1000} s: their statements: ${means(attackStart, 'statements', 8)}`);
+    }
     if (before.wal && after.wal) {
       const walMb = (after.wal.lsnBytes - before.wal.lsnBytes) / 1e6;
       t.comment(
