@@ -27,7 +27,7 @@ import { FINISHED_CHANNEL, Waiters } from './requests/waiters.ts';
 import { QueueRouter } from './lanes/routing.ts';
 import { intakeLimitsFor, NO_INTAKE_LIMITS } from './requests/intake.ts';
 import { stopOnSignals } from './signals.ts';
-import { createAttempts } from './worker/attempts.ts';
+import { createAttempts, type RecordingWaiters } from './worker/attempts.ts';
 import { Dispatcher, OWN_DISPATCH_FALLBACK_MS } from './worker/dispatcher.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 import { WebhookDeliverer } from './webhooks/deliverer.ts';
@@ -115,9 +115,12 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
             metrics,
             listener,
             shutdown,
-            // In the same process, waiters hear of a completion at once, before the NOTIFY arrives,
-            // and with its result: they answer without reading it back.
-            onFinished: (id, result) => (result === undefined ? waiters?.wake([id]) : waiters?.completed(id, result)),
+            // In the same process, waiters hear of a completion from the worker, with its result:
+            // they answer without reading it back.
+            waiters: {
+              recording: (id) => waiters?.recording(id),
+              recorded: (id, outcome) => waiters?.recorded(id, outcome),
+            },
           });
     if (role !== 'worker') {
       const apiPool = createPool(databaseUrl, { max: config.databasePoolSize, applicationName: 'gateway-api', logger });
@@ -202,15 +205,15 @@ function buildWorkerSide(parts: {
   metrics: Metrics;
   listener: Listener;
   shutdown: Shutdown;
-  onFinished: (id: string, result: string | undefined) => void;
+  waiters: RecordingWaiters;
 }) {
-  const { options, metrics, listener, shutdown, onFinished } = parts;
+  const { options, metrics, listener, shutdown, waiters } = parts;
   const { config, logger } = options;
   const pool = createPool(options.databaseUrl, { max: config.workerPoolSize, applicationName: 'gateway-worker', logger });
   shutdown.connections.push(() => pool.end());
   const db = createDb(pool);
   metrics.watchPool('worker', pool);
-  const attempts = createAttempts({ db, config, metrics, logger, onFinished });
+  const attempts = createAttempts({ db, config, metrics, logger, waiters });
   shutdown.users.push(() => attempts.close());
   const dispatcher = new Dispatcher({
     db,

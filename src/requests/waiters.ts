@@ -1,11 +1,14 @@
 // In-memory fan-out of "request finished" events to the wait=true requests of this process.
 //
 // The process's LISTEN connection (db/listener.ts) receives the ids that the
-// requests_notify_finished trigger publishes; a worker in the same process also reports its
-// own completions directly, with their results. The database stays the truth: a wake-up tells a
-// waiter to read its row again, and a result is handed over only once it is committed. While the
-// LISTEN connection is down, waiters re-read their rows on a short interval instead, and every
-// waiter re-reads once it is back, so no completion is missed.
+// requests_notify_finished trigger publishes; a worker in the same process also reports the
+// outcomes it records, a completion with its result. The database stays the truth: a wake-up
+// tells a waiter to read its row again, and a result is handed over only once it is committed.
+// While the worker of this process records a request's outcome, a NOTIFY for that request (which
+// often comes before the recording's own answer) waits for the recording to end, so that its
+// waiters are answered from it rather than read the row. While the LISTEN connection is down,
+// waiters re-read their rows on a short interval instead, and every waiter re-reads once it is
+// back, so no completion is missed.
 import type { Listener } from '../db/listener.ts';
 
 export const FINISHED_CHANNEL = 'gateway_requests_finished';
@@ -42,6 +45,10 @@ export class Waiters {
   // One watch per id almost always; an array when idempotent replays wait on the same request.
   readonly #subscribers = new Map<string, Subscription | Subscription[]>();
   readonly #listener: Listener;
+  // Requests whose outcome this process's worker is recording, and those of them that a
+  // wake-up came for meanwhile.
+  readonly #recording = new Set<string>();
+  readonly #deferred = new Set<string>();
   #closed = false;
 
   constructor(listener: Listener) {
@@ -80,22 +87,39 @@ export class Waiters {
     return subscription;
   }
 
-  /** Tells the waiters of these ids to read their rows again. */
+  /**
+   * Tells the waiters of these ids to read their rows again; those of a request whose outcome
+   * this process is recording, once the recording is over.
+   */
   wake(ids: Iterable<string>): void {
     for (const id of ids) {
       const entry = this.#subscribers.get(id);
-      if (entry !== undefined) wakeEntry(entry, 'changed');
+      if (entry === undefined) continue;
+      if (this.#recording.has(id)) this.#deferred.add(id);
+      else wakeEntry(entry, 'changed');
     }
   }
 
+  /** The worker of this process is about to record an outcome of this request. */
+  recording(id: string): void {
+    if (this.#subscribers.has(id)) this.#recording.add(id);
+  }
+
   /**
-   * This request completed with this result, committed: its waiters answer with it, without
-   * reading the row (a worker of this process tells them).
+   * The worker of this process has recorded an outcome of this request (or given up): a
+   * completion's committed result is handed over, and the waiters of a request that failed, or
+   * that a wake-up came for meanwhile, read their rows.
    */
-  completed(id: string, result: string): void {
+  recorded(id: string, outcome: { result?: string; ended: boolean }): void {
+    this.#recording.delete(id);
+    const deferred = this.#deferred.delete(id);
     const entry = this.#subscribers.get(id);
     if (entry === undefined) return;
-    for (const subscription of Array.isArray(entry) ? entry : [entry]) subscription.complete(result);
+    if (outcome.result !== undefined) {
+      for (const subscription of Array.isArray(entry) ? entry : [entry]) subscription.complete(outcome.result);
+    } else if (outcome.ended || deferred) {
+      wakeEntry(entry, 'changed');
+    }
   }
 
   /** Answers every waiter: they fall back to the acknowledgement. */

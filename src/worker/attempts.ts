@@ -38,11 +38,24 @@ export interface AttemptDeps {
   config: Pick<Config, 'maxAttempts' | 'retryBaseMs' | 'retryMaxMs' | 'upstreamMaxResponseBytes' | 'upstreamAnswerMemoryBytes'>;
   metrics: Metrics;
   logger: Logger;
+  /** The wait=true requests of this process, when it also serves the API. */
+  waiters?: RecordingWaiters;
+}
+
+/**
+ * What the waiters of this process hear of the outcomes its worker records. The committing
+ * statement's NOTIFY often arrives before its own answer does: told that a request's outcome is
+ * being recorded, the waiters wait for the recording rather than read the row, and a completion
+ * is handed over with its result.
+ */
+export interface RecordingWaiters {
+  /** An outcome of this request is about to be recorded. */
+  recording(id: string): void;
   /**
-   * Called after a request reached completed (with its result, as committed) or failed, to
-   * answer the waiters in this process.
+   * The recording is over: `result` when the request completed (as committed), `ended` when it
+   * completed or failed; neither when it was retried, had ended meanwhile, or was given up.
    */
-  onFinished?: (id: string, result: string | undefined) => void;
+  recorded(id: string, outcome: { result?: string; ended: boolean }): void;
 }
 
 /** Where an attempt's call goes: a lane's upstream, or the simulator for a test-mode lane. */
@@ -116,13 +129,35 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     maxBytes: { max: GROUP_BYTES, sizeOf: finishBytes },
   });
   const abandoning = new AbortController();
-  /** Records a finish, retrying while the database is unavailable: until abandoned, or for `maxWaitMs`. */
-  const record = (finish: Finish, maxWaitMs?: number) =>
-    whileUnavailable(() => finishes.submit(finish), {
-      ...(maxWaitMs === undefined ? {} : { maxWaitMs }),
-      signal: abandoning.signal,
-      log: { logger: log, message: 'database unavailable; retrying the recording until it is back', fields: { requestId: finish.id } },
-    });
+  /**
+   * Records a finish, retrying while the database is unavailable: until abandoned, or for
+   * `maxWaitMs`. The waiters of this process hear of it (`result`: a completion's, to hand over).
+   */
+  async function record(finish: Finish, { maxWaitMs, result }: { maxWaitMs?: number; result?: string } = {}): Promise<Finished> {
+    tell(() => deps.waiters?.recording(finish.id));
+    let done: Finished = null;
+    try {
+      done = await whileUnavailable(() => finishes.submit(finish), {
+        ...(maxWaitMs === undefined ? {} : { maxWaitMs }),
+        signal: abandoning.signal,
+        log: { logger: log, message: 'database unavailable; retrying the recording until it is back', fields: { requestId: finish.id } },
+      });
+      return done;
+    } finally {
+      const completed = done?.status === 'completed';
+      tell(() => deps.waiters?.recorded(finish.id, { ...(completed ? { result } : {}), ended: completed || done?.status === 'failed' }));
+    }
+  }
+
+  function tell(hear: () => void): void {
+    try {
+      hear();
+    } catch (error) {
+      // The outcome stands; a failure to tell local waiters must not fail the attempt (they
+      // also hear the NOTIFY, and their own time runs out).
+      log.warn({ err: errorSummary(error) }, 'telling local waiters failed');
+    }
+  }
 
   async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<void> {
     const begun = performance.now();
@@ -142,13 +177,15 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     try {
       if (outcome.ok) {
         const { usage } = outcome;
-        const done = await record({ kind: 'completed', id: started.id, attempt: started.attempt, laneId: started.laneId, result: outcome.result, usage, upstreamStatus: outcome.upstreamStatus, durationMs });
+        const done = await record(
+          { kind: 'completed', id: started.id, attempt: started.attempt, laneId: started.laneId, result: outcome.result, usage, upstreamStatus: outcome.upstreamStatus, durationMs },
+          { result: outcome.result },
+        );
         if (done) {
           // gateway_tokens_total: a completion's usage, by its lane.
           const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
           if (usage.prompt !== null) deps.metrics.tokens.inc({ ...labels, kind: 'prompt' }, usage.prompt);
           if (usage.completion !== null) deps.metrics.tokens.inc({ ...labels, kind: 'completion' }, usage.completion);
-          finished(started.id, outcome.result);
         }
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
       } else {
@@ -194,21 +231,10 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     const finish: Finish = retryable
       ? { kind: 'retry', id, attempt, delayMs, unchargedDelayMs, pauseMs, fault, ...report }
       : { kind: 'failed', id, attempt, pauseMs, fault, ...report };
-    const done = await record(finish, patienceMs);
-    if (done?.status === 'failed') finished(id, undefined);
+    const done = await record(finish, patienceMs === undefined ? {} : { maxWaitMs: patienceMs });
     const fields = { requestId: id, attempt, code: failure.code, charged: done?.charged ?? null, stale: done === null };
     if (done?.status === 'retrying') log.info(fields, 'attempt failed; retry scheduled');
     else log.info(fields, 'attempt failed; request failed');
-  }
-
-  function finished(id: string, result: string | undefined): void {
-    try {
-      deps.onFinished?.(id, result);
-    } catch (error) {
-      // The outcome is committed; a failure to wake local waiters must not fail the attempt
-      // (they also hear the NOTIFY).
-      log.warn({ requestId: id, err: errorSummary(error) }, 'waking local waiters failed');
-    }
   }
 
   return {

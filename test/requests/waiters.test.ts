@@ -71,11 +71,11 @@ t.test('shutting down answers waiting requests with their acknowledgement', asyn
 t.test('a waiter in the process of the worker that completed its request is handed the committed result', async (t) => {
   const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '10000' } });
   const waiters = gateway.waiters!;
-  const handed = new Map<string, string>();
-  const completed = waiters.completed.bind(waiters);
-  waiters.completed = (id, result) => {
-    handed.set(id, result);
-    completed(id, result);
+  const handed = new Map<string, string | undefined>();
+  const recorded = waiters.recorded.bind(waiters);
+  waiters.recorded = (id, outcome) => {
+    handed.set(id, outcome.result);
+    recorded(id, outcome);
   };
   const answer = await clientFor(gateway.url, await gateway.createKey()).post({
     model: 'test-delay-50',
@@ -89,7 +89,7 @@ t.test('a waiter in the process of the worker that completed its request is hand
   t.equal(answer.text, rows[0].result, 'and is the answer');
 });
 
-/** Waiters of no database: told of completions only by the test (their listener never connects). */
+/** Waiters of no database: told of outcomes only by the test (their listener never connects). */
 function waitersAlone(): Waiters {
   return new Waiters(new Listener('postgres://127.0.0.1:9/none', createLogger({ logLevel: 'silent' })));
 }
@@ -97,14 +97,14 @@ function waitersAlone(): Waiters {
 t.test('a completion handed over before or during the wait ends it with the result', async (t) => {
   const waiters = waitersAlone();
   const early = waiters.watch('req_early');
-  waiters.completed('req_early', '{"early":true}');
+  waiters.recorded('req_early', { result: '{"early":true}', ended: true });
   t.equal(await early.next(1_000), 'completed', 'handed over before the wait began');
   t.equal(early.result, '{"early":true}');
   early.close();
 
   const during = waiters.watch('req_during');
   const event = during.next(1_000);
-  waiters.completed('req_during', '{"during":true}');
+  waiters.recorded('req_during', { result: '{"during":true}', ended: true });
   t.equal(await event, 'completed', 'handed over while waiting');
   t.equal(during.result, '{"during":true}');
   during.close();
@@ -120,7 +120,7 @@ t.test('a waiter reading its row hears of a result handed over meanwhile, or alr
   const handedOver = watch.handedOver().then(() => (handed = true));
   await new Promise((resolve) => setImmediate(resolve));
   t.notOk(handed, 'nothing handed over yet');
-  waiters.completed('req_racing', '{"raced":true}');
+  waiters.recorded('req_racing', { result: '{"raced":true}', ended: true });
   await handedOver;
   t.equal(watch.result, '{"raced":true}', 'then the result, while the read is under way');
   const again = await Promise.race([
@@ -129,4 +129,47 @@ t.test('a waiter reading its row hears of a result handed over meanwhile, or alr
   ]);
   t.equal(again, 'resolved', 'and, asked again, at once');
   watch.close();
+});
+
+t.test('a wake-up for a request whose outcome this process is recording waits for the recording, which answers it', async (t) => {
+  const waiters = waitersAlone();
+  const soon = <T>(event: Promise<T>) => Promise.race([event, new Promise((resolve) => setImmediate(() => resolve('still waiting')))]);
+
+  const completed = waiters.watch('req_completed');
+  const completion = completed.next(1_000);
+  waiters.recording('req_completed');
+  waiters.wake(['req_completed']); // its NOTIFY, before the recording's own answer
+  t.equal(await soon(completion), 'still waiting', 'not woken to read its row while the recording is under way');
+  waiters.recorded('req_completed', { result: '{"done":true}', ended: true });
+  t.equal(await completion, 'completed', 'answered by the recording');
+  t.equal(completed.result, '{"done":true}');
+  completed.close();
+
+  const failed = waiters.watch('req_failed');
+  const failure = failed.next(1_000);
+  waiters.recording('req_failed');
+  waiters.wake(['req_failed']);
+  t.equal(await soon(failure), 'still waiting');
+  waiters.recorded('req_failed', { ended: true });
+  t.equal(await failure, 'changed', 'a request that failed: its waiter reads its row');
+  failed.close();
+
+  const retried = waiters.watch('req_retried');
+  const retry = retried.next(1_000);
+  waiters.recording('req_retried');
+  waiters.recorded('req_retried', { ended: false });
+  t.equal(await soon(retry), 'still waiting', 'a request retried, with no wake-up meanwhile: nothing to read');
+  waiters.recording('req_retried');
+  waiters.wake(['req_retried']); // a cancel committed while its outcome was being recorded
+  t.equal(await soon(retry), 'still waiting');
+  waiters.recorded('req_retried', { ended: false });
+  t.equal(await retry, 'changed', 'a wake-up that came meanwhile is passed on when the recording ends');
+  retried.close();
+
+  const other = waiters.watch('req_other');
+  waiters.recording('req_retried'); // no longer watched: nothing is held for it
+  waiters.wake(['req_other', 'req_retried']);
+  t.equal(await other.next(1_000), 'changed', "another request's wake-up is not held");
+  other.close();
+  t.equal(waiters.size, 0);
 });
