@@ -134,7 +134,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
    * `maxWaitMs`. The waiters of this process hear of it (`result`: a completion's, to hand over).
    */
   async function record(finish: Finish, { maxWaitMs, result }: { maxWaitMs?: number; result?: string } = {}): Promise<Finished> {
-    tell(() => deps.waiters?.recording(finish.id));
+    tell(finish.id, () => deps.waiters?.recording(finish.id));
     let done: Finished = null;
     try {
       done = await whileUnavailable(() => finishes.submit(finish), {
@@ -145,17 +145,17 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       return done;
     } finally {
       const completed = done?.status === 'completed';
-      tell(() => deps.waiters?.recorded(finish.id, { ...(completed ? { result } : {}), ended: completed || done?.status === 'failed' }));
+      tell(finish.id, () => deps.waiters?.recorded(finish.id, { ...(completed ? { result } : {}), ended: completed || done?.status === 'failed' }));
     }
   }
 
-  function tell(hear: () => void): void {
+  function tell(requestId: string, hear: () => void): void {
     try {
       hear();
     } catch (error) {
       // The outcome stands; a failure to tell local waiters must not fail the attempt (they
       // also hear the NOTIFY, and their own time runs out).
-      log.warn({ err: errorSummary(error) }, 'telling local waiters failed');
+      log.warn({ requestId, err: errorSummary(error) }, 'telling local waiters failed');
     }
   }
 
