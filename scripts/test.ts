@@ -86,18 +86,18 @@ try {
   // runs its files in the order of their paths). The serial runs' output is held and printed
   // once all have ended, so that no line is cut into another's.
   const held = long.length > 0;
-  const serialRuns = async () => {
+  const runSerial = async () => {
     const runs = [];
     for (const files of [serial, loaded]) {
       if (files.length > 0) runs.push(await runTap(['--jobs=1', ...options, ...files], env, { held }));
     }
     return runs;
   };
-  const [longRun, serialRun] = await Promise.all([
+  const [longRun, serialRuns] = await Promise.all([
     long.length > 0 ? runTap([`--jobs=${long.length}`, ...options, ...long], env) : undefined,
-    serialRuns(),
+    runSerial(),
   ]);
-  for (const run of [...(longRun ? [longRun] : []), ...serialRun]) {
+  for (const run of [...(longRun ? [longRun] : []), ...serialRuns]) {
     run.print();
     codes.push(run.code);
   }

@@ -32,6 +32,11 @@ export const NO_LIMITS: LaneLimits = Object.freeze({
   tokensPerMinute: undefined,
 });
 
+/** Whether these limits hold nothing back, as NO_LIMITS. */
+export function hasNoLimits(limits: LaneLimits): boolean {
+  return limits.maxConcurrent === undefined && limits.requestsPerMinute === undefined && limits.tokensPerMinute === undefined;
+}
+
 /** The name of the one upstream built from UPSTREAM_BASE_URL when UPSTREAMS_FILE is unset. */
 export const DEFAULT_UPSTREAM = 'default';
 /** The name test mode's simulator answers under; a file may not use it. */

@@ -52,7 +52,7 @@ import {
   type StartReservation,
 } from '../lanes/repository.ts';
 import { findEnded } from './attempts-repository.ts';
-import { deploymentsOf, modelLabel, NO_LIMITS, SIMULATOR, upstreamModel, type LaneLimits, type Upstream } from '../upstream/upstreams.ts';
+import { deploymentsOf, hasNoLimits, modelLabel, NO_LIMITS, SIMULATOR, upstreamModel, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { reportLaneChange } from './lane-changes.ts';
@@ -420,9 +420,6 @@ function renamedFor(upstream: Upstream, model: string): string | undefined {
   const own = upstreamModel(upstream, model);
   return own === model ? undefined : own;
 }
-
-const hasNoLimits = (limits: LaneLimits) =>
-  limits.maxConcurrent === undefined && limits.requestsPerMinute === undefined && limits.tokensPerMinute === undefined;
 
 function abortTimedOut(controller: AbortController): void {
   controller.abort(ABORTED_BY_TIMEOUT);
