@@ -288,11 +288,12 @@ export class WebhookDeliverer {
   }
 
   /**
-   * Hands back the tries of dead workers (the supervisor's sweep; never those of `live`): each is
-   * recorded as failed and its message retried at once. Returns how many.
+   * Hands back the tries of dead workers (the supervisor's sweep; never those of `live`, and all
+   * of those in `dead`, the workers the sweep has just found dead): each is recorded as failed and
+   * its message retried at once. Returns how many.
    */
-  async recoverLost(deadAfterMs: number, live: readonly string[], limit = 1_000): Promise<number> {
-    const recovered = await recoverLostDeliveries(this.#options.db, deadAfterMs, live, limit);
+  async recoverLost(deadAfterMs: number, live: readonly string[], limit = 1_000, dead: readonly string[] = []): Promise<number> {
+    const recovered = await recoverLostDeliveries(this.#options.db, deadAfterMs, live, limit, dead);
     if (recovered > 0) {
       this.#options.metrics.webhookDeliveries.inc({ outcome: 'failed' }, recovered);
       this.#log.warn({ messages: recovered }, 'webhook tries lost with their worker; retrying them');

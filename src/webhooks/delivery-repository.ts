@@ -370,11 +370,18 @@ export async function addDeliveryJob(db: Db, messageId: string, endpointId: stri
 /**
  * Hands back the tries of workers that died: messages delivering whose worker has no row in
  * gateway.worker_pools (deleted as dead, or never written), whose try started more than
- * `deadAfterMs` ago (so a worker starting up is not taken for a dead one), never those of the
+ * `deadAfterMs` ago (so a worker starting up is not taken for a dead one) or, however recent,
+ * of a worker in `dead` (whose row the caller's sweep has just deleted); never those of the
  * workers in `live`. Each try is recorded as failed, and its message is pending again, due now,
  * with a deliver_webhook job (abandoned if its endpoint was disabled meanwhile). Returns how many.
  */
-export async function recoverLostDeliveries(db: Db, deadAfterMs: number, live: readonly string[], limit: number): Promise<number> {
+export async function recoverLostDeliveries(
+  db: Db,
+  deadAfterMs: number,
+  live: readonly string[],
+  limit: number,
+  dead: readonly string[] = [],
+): Promise<number> {
   const { rows } = await sql<{ recovered: string }>`
     with lost as (
       select messages.id, messages.tries
@@ -382,11 +389,11 @@ export async function recoverLostDeliveries(db: Db, deadAfterMs: number, live: r
       where messages.status = 'delivering'
         and not exists (select from gateway.worker_pools where worker_pools.id = messages.worker_id)
         and coalesce(messages.worker_id, '') <> all(${live}::text[])
-        and exists (
+        and (messages.worker_id = any(${dead}::text[]) or exists (
           select from gateway.webhook_deliveries as deliveries
           where deliveries.message_id = messages.id and deliveries.try_number = messages.tries
             and deliveries.started_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
-        )
+        ))
       limit ${limit}
       for update of messages skip locked
     ), tries as (

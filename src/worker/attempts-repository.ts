@@ -408,13 +408,15 @@ export interface LostAttempt extends Pick<Selectable<RequestsTable>, 'id' | 'mod
 /**
  * Attempts still running whose worker is gone: its row in gateway.worker_pools was deleted as
  * dead (or never written), and the attempt started more than `deadAfterMs` ago, so a worker
- * starting up is not mistaken for a dead one. Never those of the workers in `live`.
+ * starting up is not mistaken for a dead one; or, however recent, those of the workers in `dead`,
+ * whose rows the caller's sweep has just deleted. Never those of the workers in `live`.
  */
 export async function findLostAttempts(
   db: Db,
   deadAfterMs: number,
   live: readonly string[],
   limit: number,
+  dead: readonly string[] = [],
 ): Promise<LostAttempt[]> {
   const { rows } = await sql<LostAttempt>`
     select request_attempts.request_id as id, request_attempts.attempt_number as attempt, requests.mode,
@@ -422,7 +424,8 @@ export async function findLostAttempts(
     from gateway.request_attempts
     join gateway.requests on requests.id = request_attempts.request_id
     where request_attempts.outcome = 'running'
-      and request_attempts.started_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
+      and (request_attempts.started_at < now() - ${deadAfterMs}::float8 * interval '1 millisecond'
+           or request_attempts.worker_id = any(${dead}::text[]))
       and not exists (select from gateway.worker_pools where worker_pools.id = request_attempts.worker_id)
       and coalesce(request_attempts.worker_id, '') <> all(${live}::text[])
     limit ${limit}

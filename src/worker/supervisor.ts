@@ -31,8 +31,10 @@ const RESTART_MIN_MS = 250;
 const RESTART_MAX_MS = 2_000;
 // A pool that ran this long before stopping was healthy: the next restart is quick again.
 const HEALTHY_AFTER_MS = 30_000;
-// Lost attempts recorded per sweep at most; the next sweep takes the rest.
+// Lost attempts (and webhook tries) recorded per sweep at most; the next sweep, at once, takes the rest.
 const RECOVERY_BATCH = 1_000;
+// A sweep due when a heartbeat grows too old runs this much after that moment.
+const SWEEP_SLACK_MS = 10;
 // How often requests past their deadline are looked for: they fail within about this much of it.
 const EXPIRY_INTERVAL_MS = 1_000;
 // How often idle queues are looked for, at most: a queue left idle is deleted within
@@ -47,10 +49,12 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
   const log = deps.logger.child({ component: 'supervisor' });
   const { dispatcher } = deps;
   const deadAfterMs = deps.config.workerDeadAfterMs;
-  // Five beats and sweeps per period. A killed worker's last beat is at most its death, so a
-  // sweep finds it dead within dead-after + one period: 8.4 s with the default 7 s, leaving room
-  // under 10 s for its attempts to start again elsewhere. And a live worker's row is never older
-  // than a period plus a pause of its event loop (a GC pause, a 2 s stall): far from dead-after.
+  // Five beats per period: a live worker's row is never older than a beat plus a pause of its
+  // event loop (a GC pause, a 2 s stall), far from dead-after. Sweeps come as often, and sooner
+  // when the oldest heartbeat a sweep saw will be dead-after old before then: the next sweep comes
+  // right at that moment. A killed worker's last beat is at most its death, so it is found dead
+  // within dead-after of its death (7 s by default), and its attempts, however recent, are taken
+  // with it: room under 10 s for them to start again elsewhere.
   const beatMs = Math.max(100, Math.floor(deadAfterMs / 5));
 
   let stopping = false;
@@ -115,25 +119,32 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       .finally(() => beating.delete(beaten));
     beating.add(beaten);
   }, beatMs);
-  // Sweeps under way, awaited by stop(): one must not go on with the attempts and the pool
-  // after they are closed.
-  const sweeping = new Set<Promise<void>>();
-  const sweeper = setInterval(() => {
+  // One sweep at a time, awaited by stop(): one must not go on with the attempts and the pool
+  // after they are closed. Each schedules the next (see beatMs for when).
+  let sweeping: Promise<void> | undefined;
+  let sweepTimer: NodeJS.Timeout | undefined;
+  const sweepNow = () => {
     // Never our own live pool nor our own attempts: our heartbeat may be stale only because the
     // database was out of reach, while our attempts are still running here.
     const live = [dispatcher.workerId, ...(current ? [current.poolId] : [])];
-    const swept: Promise<void> = sweep(deps.db, deadAfterMs, live)
-      .then(async (released) => {
-        if (released.length > 0) log.warn({ workers: released }, 'released the jobs of dead workers');
-        const lost = await findLostAttempts(deps.db, deadAfterMs, live, RECOVERY_BATCH);
-        if (lost.length > 0) await deps.attempts.recover(lost);
-        // Their webhook tries too: recorded as failed, and made again at once.
-        await deps.deliverer.recoverLost(deadAfterMs, live, RECOVERY_BATCH);
-      })
+    let nextMs = beatMs;
+    sweeping = (async () => {
+      const { released, nextDeathInMs } = await sweep(deps.db, deadAfterMs, live);
+      if (released.length > 0) log.warn({ workers: released }, 'released the jobs of dead workers');
+      if (nextDeathInMs !== null) nextMs = Math.min(nextMs, Math.ceil(nextDeathInMs) + SWEEP_SLACK_MS);
+      const lost = await findLostAttempts(deps.db, deadAfterMs, live, RECOVERY_BATCH, released);
+      if (lost.length > 0) await deps.attempts.recover(lost);
+      // Their webhook tries too: recorded as failed, and made again at once.
+      const tries = await deps.deliverer.recoverLost(deadAfterMs, live, RECOVERY_BATCH, released);
+      // A full batch: the rest at once.
+      if (lost.length === RECOVERY_BATCH || tries === RECOVERY_BATCH) nextMs = 0;
+    })()
       .catch((error: unknown) => log.debug({ err: errorSummary(error) }, 'sweep failed'))
-      .finally(() => sweeping.delete(swept));
-    sweeping.add(swept);
-  }, beatMs);
+      .finally(() => {
+        sweeping = undefined;
+        if (!stopping) sweepTimer = setTimeout(sweepNow, nextMs);
+      });
+  };
   // One expiry at a time in this process: a run that outlasts the interval (a backlog, a slow
   // database) is not joined by another. Stopping aborts it between batches, and awaits it.
   let expiring: Promise<void> | undefined;
@@ -172,16 +183,15 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
   try {
     await beat(deps.db, [dispatcher.workerId]);
     await launch();
+    sweepNow();
   } catch (error) {
     clearInterval(heartbeat);
-    clearInterval(sweeper);
     clearInterval(expirer);
     clearInterval(pruner);
     stopExpiring.abort();
     stopPruning.abort();
     await expiring;
     await pruning;
-    await Promise.all(sweeping);
     throw error;
   }
 
@@ -189,7 +199,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
     async stop() {
       stopping = true;
       clearTimeout(restartTimer);
-      clearInterval(sweeper);
+      clearTimeout(sweepTimer);
       clearInterval(expirer);
       clearInterval(pruner);
       stopExpiring.abort();
@@ -213,7 +223,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       await triesLanded;
       await expiring;
       await pruning;
-      await Promise.all(sweeping);
+      await sweeping;
       clearInterval(heartbeat);
       await Promise.all(beating);
       if (!pool) {

@@ -57,7 +57,14 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt and r
   t.ok(lost.length > 0, 'attempts were under way when the worker died');
   t.comment(`killed the worker with ${lost.length} attempts under way; ${terminalAtKill} of ${REQUESTS} requests had ended before the kill`);
 
+  const { rows: beats } = await faults.pool.query<{ last_seen_at: Date }>(
+    `select last_seen_at from gateway.worker_pools where id = any($1::text[])`,
+    [[...deadWorkers]],
+  );
+  const lastBeat = Math.max(...beats.map((row) => row.last_seen_at.getTime()));
+
   await faults.start('worker', { label: 'worker-restarted', env });
+  const restartedAfterMs = Date.now() - killedAt;
   const outcome = await waitUntilTerminal(faults.pool, ids, 60_000);
   const allEndedAfterMs = Date.now() - killedAt;
   t.ok(outcome.done, `all 500 requests ended (left: ${outcome.left}, by status: ${JSON.stringify(outcome.byStatus)})`);
@@ -116,6 +123,13 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt and r
   t.same(recovery.filter((ms) => ms > RECOVERY_BOUND_MS), [], `each within ${RECOVERY_BOUND_MS / 1000} s of the kill`);
   t.comment(`next attempt after the kill (WORKER_DEAD_AFTER_MS at its default), all ${recovery.length} requests in flight: ${spread(recovery)}`);
   t.comment(`next attempt after the kill, the ${lost.length} whose attempt was lost: ${spread(lostRecovery)}`);
+  // Where the time went: the dead worker's last heartbeat (it is presumed dead WORKER_DEAD_AFTER_MS
+  // later), the new worker ready to sweep, and its sweep recording the lost attempts.
+  const recorded = lostNow.flatMap(({ row }) => (row?.finished_at ? [row.finished_at.getTime() - killedAt] : []));
+  t.comment(
+    `the dead worker's last heartbeat ${beats.length > 0 ? `${killedAt - lastBeat} ms before the kill` : 'not found'}; ` +
+      `its successor started ${restartedAfterMs} ms after the kill; the lost attempts recorded as worker_lost after it: ${spread(recorded)}`,
+  );
   t.comment(`attempts per request: ${tally(requests.map((request) => request.attempts))}; last_error_code: ${tally(requests.map((request) => request.last_error_code ?? 'null'))}`);
 
   t.equal((await dispatchJobs(faults.db)).length, 0, 'no dispatch_queue job is left behind, locked or not');

@@ -621,6 +621,9 @@ t.test('tries lost with their worker are handed back by the sweep: recorded fail
   t.equal(receiver.deliveries[0]?.headers['webhook-id'], dead!.id, 'with the message\'s webhook-id');
   t.same(receiver.deliveries[0]?.verifiedWith, [0]);
   t.equal(await deliverer.recoverLost(10_000, [own]), 0, 'a second sweep finds nothing');
+  t.equal(await deliverer.recoverLost(10_000, [own], 1_000, ['worker-dead']), 1, 'but one that has just found worker-dead dead takes its young try too');
+  t.match(await messagesOf(gateway.db, requests.young), [{ status: 'pending', worker_id: null }]);
+  for (const name of ['alive', 'own'] as const) t.match(await messagesOf(gateway.db, requests[name]), [{ status: 'delivering' }], `and still not ${name}`);
 });
 
 t.test('at shutdown a try in flight gets the grace time, then is aborted and retried at once; later jobs are handed back', async (t) => {

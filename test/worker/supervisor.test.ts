@@ -3,7 +3,7 @@
 // while its event loop stalls, nor while it stops and its calls in flight land.
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
-import t from 'tap';
+import t, { type Test } from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
 import { Metrics } from '../../src/metrics.ts';
@@ -28,6 +28,38 @@ async function heldUpstream(t: Parameters<typeof startFakeUpstream>[0]) {
     return { status: 200, json: completionFor(call.body) };
   });
   return { ...upstream, release };
+}
+
+/** A worker's parts, built as main.ts builds them, so that the test holds its WorkerService. */
+async function startWorkerIn(t: Test, gateway: Awaited<ReturnType<typeof startTestGateway>>) {
+  const { config } = gateway;
+  const logs: string[] = [];
+  const logger = createLogger(config, new Writable({ write: (chunk: Buffer, _encoding, done) => (logs.push(chunk.toString('utf8')), done()) }));
+  const pool = createPool(gateway.databaseUrl, { max: 4, applicationName: 'gateway-worker', logger });
+  const db = createDb(pool);
+  const metrics = new Metrics();
+  const attempts = createAttempts({ db, config, metrics, logger });
+  const dispatcher = new Dispatcher({
+    db,
+    attempts,
+    upstreams: config.upstreams,
+    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
+    upstreamTimeoutMs: config.upstreamTimeoutMs,
+    graceMs: config.shutdownGraceMs,
+    metrics,
+    logger,
+  });
+  const deliverer = new WebhookDeliverer({ db, config, workerId: dispatcher.workerId, metrics, logger });
+  const started = await startWorkerService({ config, pool, db, metrics, logger, dispatcher, deliverer, attempts });
+  // Stopped once, by the test or else at its end.
+  let stopped: Promise<void> | undefined;
+  const service = { stop: () => (stopped ??= started.stop()) };
+  t.teardown(async () => {
+    await service.stop();
+    await attempts.close();
+    await pool.end();
+  });
+  return { service, logs };
 }
 
 async function lockedJobs(gateway: Awaited<ReturnType<typeof startTestGateway>>) {
@@ -57,8 +89,12 @@ t.test('the sweep releases the jobs of pools presumed dead, and only theirs', as
     );
   }
 
-  const released = await sweep(gateway.db, 10_000);
-  t.same(released.sort(), ['pool-dead', 'pool-never-seen']);
+  const swept = await sweep(gateway.db, 10_000);
+  t.same(swept.released.sort(), ['pool-dead', 'pool-never-seen']);
+  t.ok(
+    swept.nextDeathInMs !== null && swept.nextDeathInMs > 9_000 && swept.nextDeathInMs <= 10_000,
+    `the live pool, beaten just now, is due to be found dead in 10 s (${swept.nextDeathInMs} ms)`,
+  );
   t.same(
     (await lockedJobs(gateway)).map((job) => job.locked_by),
     [null, null, 'pool-live'],
@@ -66,7 +102,8 @@ t.test('the sweep releases the jobs of pools presumed dead, and only theirs', as
   );
   const { rows } = await gateway.pool.query('select id from gateway.worker_pools');
   t.same(rows.map((row) => row.id), ['pool-live'], 'the dead pool is forgotten');
-  t.same(await sweep(gateway.db, 10_000), [], 'a second sweep finds nothing');
+  t.same((await sweep(gateway.db, 10_000)).released, [], 'a second sweep finds nothing');
+  t.equal((await sweep(gateway.db, 10_000, ['pool-live'])).nextDeathInMs, null, 'and, the live pool being the caller\'s own, no one due');
 });
 
 t.test('a worker pool that stops on its own is replaced, and its request completes', async (t) => {
@@ -202,30 +239,7 @@ t.test('a stopping worker keeps its heartbeat until its call has landed: no othe
 
 t.test('stop() waits for a sweep under way: one held by a lock ends before stop() resolves', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api', env: { WORKER_DEAD_AFTER_MS: '2000' } });
-  const { config } = gateway;
-  // The worker's parts, built as main.ts builds them, so that the test holds its WorkerService.
-  const logs: string[] = [];
-  const logger = createLogger(config, new Writable({ write: (chunk: Buffer, _encoding, done) => (logs.push(chunk.toString('utf8')), done()) }));
-  const pool = createPool(gateway.databaseUrl, { max: 4, applicationName: 'gateway-worker', logger });
-  const db = createDb(pool);
-  const metrics = new Metrics();
-  const attempts = createAttempts({ db, config, metrics, logger });
-  const dispatcher = new Dispatcher({
-    db,
-    attempts,
-    upstreams: config.upstreams,
-    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
-    upstreamTimeoutMs: config.upstreamTimeoutMs,
-    graceMs: config.shutdownGraceMs,
-    metrics,
-    logger,
-  });
-  const deliverer = new WebhookDeliverer({ db, config, workerId: dispatcher.workerId, metrics, logger });
-  t.teardown(async () => {
-    await attempts.close();
-    await pool.end();
-  });
-  const service = await startWorkerService({ config, pool, db, metrics, logger, dispatcher, deliverer, attempts });
+  const { service, logs } = await startWorkerIn(t, gateway);
 
   // The sweep's last statement (the webhook tries of dead workers) waits for this lock.
   const locker = await gateway.pool.connect();
@@ -250,4 +264,36 @@ t.test('stop() waits for a sweep under way: one held by a lock ends before stop(
   await stopping;
   t.ok(stopped, 'it resolves once the sweep has ended');
   t.notOk(logs.some((line) => line.includes('sweep failed')), 'and the sweep ended without failing');
+});
+
+t.test('a worker is found dead when its heartbeat reaches WORKER_DEAD_AFTER_MS, not at the next periodic sweep, with its attempt started after that heartbeat', async (t) => {
+  // Dead after 60 s: heartbeats and periodic sweeps every 12 s.
+  const gateway = await startTestGateway(t, { role: 'api', env: { WORKER_DEAD_AFTER_MS: '60000' } });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const accepted = await client.post({ model: 'test-echo', messages: userMessage() });
+  const id = accepted.body.id as string;
+  // A worker last heard from 55 s ago, due to be found dead 5 s from now, and an attempt it
+  // started just now (after that heartbeat, as a worker may until the moment it dies).
+  await gateway.pool.query(`insert into gateway.worker_pools (id, hostname, pid, last_seen_at) values ('worker-dying', 'h', 1, now() - interval '55 s')`);
+  await gateway.pool.query(`update gateway.requests set status = 'processing', attempts = 1, next_attempt_at = null where id = $1`, [id]);
+  await gateway.pool.query(
+    `insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream, started_at) values ($1, 1, 'worker-dying', 'test', now())`,
+    [id],
+  );
+  const insertedAt = Date.now();
+  const { service } = await startWorkerIn(t, gateway);
+
+  let recoveredAfterMs = Infinity;
+  await waitFor(async () => {
+    const [first] = await attemptRows(gateway.db, id);
+    if (first?.outcome !== 'failed') return false;
+    recoveredAfterMs = Date.now() - insertedAt;
+    return true;
+  }, 20_000, 50);
+  t.comment(`recovered ${recoveredAfterMs} ms after the heartbeat was made 55 s old (due at 5000 ms; the periodic sweeps at about 0 and 12000 ms)`);
+  t.match(await attemptRows(gateway.db, id), [{ attempt_number: 1, outcome: 'failed', error_code: 'worker_lost', worker_id: 'worker-dying' }], 'its attempt is recorded as worker_lost');
+  t.ok(recoveredAfterMs >= 4_900, 'not before its heartbeat was 60 s old');
+  t.ok(recoveredAfterMs < 10_000, 'by the sweep due at that moment, not the next periodic one');
+  t.match(await waitForRow(gateway.db, id, isTerminal), { status: 'completed', attempts: 2 }, 'and it completes in a second attempt');
+  await service.stop();
 });
