@@ -195,7 +195,9 @@ export async function finishAttempts(
              -- The simulator's lane is every test project's: a simulated 429 pauses no one else.
              max(pause_ms) filter (where mode = 'live') as pause_ms,
              coalesce(sum(unestimated_tokens), 0) as unestimated_tokens
+      -- (only what this statement recorded: an attempt another one recorded first teaches nothing twice)
       from outcomes
+      join finished using (id)
       where lane_id is not null
       group by lane_id
     ), lane_rows as (
@@ -308,7 +310,9 @@ export async function finishAttempts(
       from lanes_taught
       where old_health <> health
     )
-    select outcomes.status, outcomes.charged, changes.list as lane_changes
+    -- An attempt whose request this statement did not update was recorded by another first
+    -- (read as running, then found ended once its lock was free): null, as a stale one.
+    select case when finished.id is not null then outcomes.status end as status, outcomes.charged, changes.list as lane_changes
     from input
     cross join queued
     cross join changes

@@ -213,12 +213,15 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     }
   }
 
-  /** Records a failed attempt: the request is retried, or fails, as its fault and its lane's health decide. */
+  /**
+   * Records a failed attempt: the request is retried, or fails, as its fault and its lane's health
+   * decide. False when the attempt had ended already (another process recorded it first).
+   */
   async function fail(
     started: Pick<StartedAttempt, 'id' | 'attempt' | 'charged'>,
     failure: { code: AttemptErrorCode; detail: string; upstreamStatus: number | null; durationMs: number | null; retryAfterMs?: number | undefined },
     patienceMs?: number,
-  ): Promise<void> {
+  ): Promise<boolean> {
     const { id, attempt } = started;
     const { retryAfterMs, ...report } = failure;
     const { retryable, fault } = ATTEMPT_ERRORS[failure.code];
@@ -232,9 +235,11 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       ? { kind: 'retry', id, attempt, delayMs, unchargedDelayMs, pauseMs, fault, ...report }
       : { kind: 'failed', id, attempt, pauseMs, fault, ...report };
     const done = await record(finish, patienceMs === undefined ? {} : { maxWaitMs: patienceMs });
-    const fields = { requestId: id, attempt, code: failure.code, charged: done?.charged ?? null, stale: done === null };
-    if (done?.status === 'retrying') log.info(fields, 'attempt failed; retry scheduled');
-    else log.info(fields, 'attempt failed; request failed');
+    const fields = { requestId: id, attempt, code: failure.code };
+    if (done === null) log.info(fields, 'attempt failed; its outcome was recorded already (or its request had ended)');
+    else if (done.status === 'retrying') log.info({ ...fields, charged: done.charged }, 'attempt failed; retry scheduled');
+    else log.info({ ...fields, charged: done.charged }, 'attempt failed; request failed');
+    return done !== null;
   }
 
   return {
@@ -244,15 +249,17 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     async recover(lost) {
       await Promise.all(
         lost.map(async (attempt) => {
-          log.warn({ requestId: attempt.id, attempt: attempt.attempt }, 'attempt lost with its worker; recording it and retrying');
-          deps.metrics.attempts.inc({ mode: attempt.mode, outcome: 'failed', code: 'worker_lost' });
           const failure = {
             code: 'worker_lost' as const,
             detail: 'the worker running this attempt stopped before recording its outcome',
             upstreamStatus: null,
             durationMs: null,
           };
-          await fail(attempt, failure, RECOVERY_PATIENCE_MS);
+          // Every live worker sweeps when a dead one's heartbeat comes of age: the one that
+          // records the attempt counts it.
+          if (!(await fail(attempt, failure, RECOVERY_PATIENCE_MS))) return;
+          log.warn({ requestId: attempt.id, attempt: attempt.attempt }, 'attempt lost with its worker; recorded, and retried if it may be');
+          deps.metrics.attempts.inc({ mode: attempt.mode, outcome: 'failed', code: 'worker_lost' });
         }),
       );
     },

@@ -17,6 +17,7 @@ import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { serveSettings, spawnServe } from '../helpers/serve.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { parseMetrics } from '../helpers/metrics.ts';
 import { until, waitFor } from '../helpers/wait.ts';
 
 /** An upstream whose calls are all answered (200) once the test says so. */
@@ -296,4 +297,43 @@ t.test('a worker is found dead when its heartbeat reaches WORKER_DEAD_AFTER_MS, 
   t.ok(recoveredAfterMs < 10_000, 'by the sweep due at that moment, not the next periodic one');
   t.match(await waitForRow(gateway.db, id, isTerminal), { status: 'completed', attempts: 2 }, 'and it completes in a second attempt');
   await service.stop();
+});
+
+t.test('two workers recovering the same lost attempt at once: one records it, counts it and retries it', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const accepted = await client.post({ model: 'test-echo', messages: userMessage() });
+  const id = accepted.body.id as string;
+  await gateway.pool.query(`update gateway.requests set status = 'processing', attempts = 1, next_attempt_at = null where id = $1`, [id]);
+  await gateway.pool.query(
+    `insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream, started_at) values ($1, 1, 'worker-gone', 'test', now() - interval '1 minute')`,
+    [id],
+  );
+  const logger = createLogger(gateway.config, new Writable({ write: (_chunk, _encoding, done) => done() }));
+  const workers = [new Metrics(), new Metrics()].map((metrics) => ({ metrics, attempts: createAttempts({ db: gateway.db, config: gateway.config, metrics, logger }) }));
+  t.teardown(() => Promise.all(workers.map((worker) => worker.attempts.close())));
+
+  // Both statements start while a lock holds the attempt's row: both read it as running, and
+  // the second to get the lock finds it ended by the first.
+  const locker = await gateway.pool.connect();
+  await locker.query('begin');
+  await locker.query(`select from gateway.request_attempts where request_id = $1 for update`, [id]);
+  const lost = [{ id, attempt: 1, mode: 'test' as const, charged: 0 }];
+  const recovered = Promise.all(workers.map((worker) => worker.attempts.recover(lost)));
+  await until(async () => {
+    const { rows } = await gateway.pool.query(
+      `select from pg_stat_activity where datname = current_database() and wait_event_type = 'Lock'`,
+    );
+    return rows.length === 2;
+  }, 'both statements waiting for the lock');
+  await locker.query('commit');
+  locker.release();
+  await recovered;
+
+  t.match(await attemptRows(gateway.db, id), [{ attempt_number: 1, outcome: 'failed', error_code: 'worker_lost' }], 'recorded once');
+  t.match(await requestRow(gateway.db, id), { status: 'retrying', attempts: 1 }, 'and retried once');
+  const counted = await Promise.all(
+    workers.map(async ({ metrics }) => parseMetrics(await metrics.render()).get('gateway_attempts_total{mode="test",outcome="failed",code="worker_lost"}') ?? 0),
+  );
+  t.same(counted.sort(), [0, 1], 'counted by the worker that recorded it, not by the other');
 });
