@@ -1,17 +1,22 @@
 #!/usr/bin/env node
 // gateway: the command line (docs/cli.md). From a checkout: npm run gateway -- <command>.
-// This file picks the command, and loads only that command's module: src/cli/ parses its
-// arguments and runs the administrative ones (cli/admin.ts); main.ts runs the gateway. So `gateway
-// keys list` loads neither the API, the worker nor graphile-worker.
+// This file picks the command; src/cli/ parses its arguments, and main.ts runs it.
 import './heap.ts'; // first: V8 settings that must precede any allocation
 import * as v from 'valibot';
 import { UsageError } from './cli/args.ts';
+import { parseKeysCommand } from './cli/keys.ts';
+import { migrateCommand } from './cli/migrate.ts';
+import { runRequestCommand } from './cli/request.ts';
+import { parseRequestsCommand, parseStatsCommand } from './cli/requests.ts';
+import { serveCommand, startCommand } from './cli/serve.ts';
+import { parseUpstreamsCommand } from './cli/upstreams.ts';
+import { parseUsageCommand } from './cli/usage.ts';
+import { parseWebhooksCommand } from './cli/webhooks.ts';
 import { CommandError } from './cli/output.ts';
 import { ConfigError, loadConfig } from './config.ts';
 import { MigrationChangedError } from './db/migrate.ts';
 import { MissingEncryptionKeyError } from './keys/service.ts';
-import { runAdminCommand } from './cli/admin.ts';
-import { isClusterChild } from './cluster.ts';
+import { isClusterChild, runAdminCommand, serveClusterChild } from './main.ts';
 
 const USAGE = `Usage: gateway <command>
 
@@ -56,28 +61,28 @@ Settings are environment variables; see docs/settings.md.`;
 async function main(argv: string[]): Promise<void> {
   const [command, ...rest] = argv;
   const config = loadConfig();
-  if (isClusterChild()) return (await import('./main.ts')).serveClusterChild(config);
+  if (isClusterChild()) return serveClusterChild(config);
   switch (command) {
     case 'serve':
-      return (await import('./cli/serve.ts')).serveCommand(config, rest);
+      return serveCommand(config, rest);
     case 'start':
-      return (await import('./cli/serve.ts')).startCommand(config, rest);
+      return startCommand(config, rest);
     case 'migrate':
-      return runAdminCommand(config, (await import('./cli/migrate.ts')).migrateCommand, { anySchema: true });
+      return runAdminCommand(config, migrateCommand, { anySchema: true });
     case 'keys':
-      return runAdminCommand(config, (await import('./cli/keys.ts')).parseKeysCommand(rest));
+      return runAdminCommand(config, parseKeysCommand(rest));
     case 'webhooks':
-      return runAdminCommand(config, (await import('./cli/webhooks.ts')).parseWebhooksCommand(rest));
+      return runAdminCommand(config, parseWebhooksCommand(rest));
     case 'request':
-      return (await import('./cli/request.ts')).runRequestCommand(config, rest);
+      return runRequestCommand(config, rest);
     case 'requests':
-      return runAdminCommand(config, (await import('./cli/requests.ts')).parseRequestsCommand(rest));
+      return runAdminCommand(config, parseRequestsCommand(rest));
     case 'stats':
-      return runAdminCommand(config, (await import('./cli/requests.ts')).parseStatsCommand(rest));
+      return runAdminCommand(config, parseStatsCommand(rest));
     case 'upstreams':
-      return runAdminCommand(config, (await import('./cli/upstreams.ts')).parseUpstreamsCommand(rest));
+      return runAdminCommand(config, parseUpstreamsCommand(rest));
     case 'usage':
-      return runAdminCommand(config, (await import('./cli/usage.ts')).parseUsageCommand(rest));
+      return runAdminCommand(config, parseUsageCommand(rest));
     case undefined:
     case 'help':
     case '--help':

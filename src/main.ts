@@ -4,11 +4,12 @@
 //   attempts finish, then close the pools.
 // - serve, start, serveClusterChild: what `gateway serve` and `gateway start` run (with
 //   API_PROCESSES > 1, a cluster: cluster.ts), until a signal stops them.
+// - runAdminCommand: the database an administrative command of the command line runs on.
 import type http from 'node:http';
 import type pg from 'pg';
 import { shareMetricsWithPrimary, startCluster } from './cluster.ts';
 import { ConfigError, type Config } from './config.ts';
-import { assertSchemaCurrent, migrate } from './db/migrate.ts';
+import { assertMigrationsUnchanged, migrate, schemaVersion } from './db/migrate.ts';
 import { createDb, createPool, type Db } from './db/pool.ts';
 import { createApp, createMetricsApp, createOpsApp } from './http/app.ts';
 import { closeServer, listen, urlOf } from './http/server.ts';
@@ -294,6 +295,8 @@ export async function start(baseConfig: Config): Promise<void> {
   }
 }
 
+export { isClusterChild } from './cluster.ts';
+
 /** One of the API processes a cluster's primary forked (API_PROCESSES > 1). */
 export async function serveClusterChild(config: Config): Promise<void> {
   const logger = createLogger(config);
@@ -332,6 +335,37 @@ async function startApiCluster(options: {
   });
 }
 
+export interface AdminContext {
+  pool: pg.Pool;
+  logger: Logger;
+  /** The config, with the embedded database's SECRET_ENCRYPTION_KEY when that is used. */
+  config: Config;
+}
+
+/** An administrative command: what it prints. */
+export type AdminCommand = (db: Db, context: AdminContext) => Promise<string>;
+
+/**
+ * Runs one administrative command against the database and prints what it returns. Logs go to
+ * stderr, so that stdout (for --json) carries only the answer. With DATABASE_URL unset, the
+ * embedded Postgres under DATA_DIR is used (started for the command if it is not running).
+ * Unless it is `migrate` (`anySchema`), a command refuses a database whose schema is not this
+ * code's, saying what to run, rather than failing on a table or column it does not find.
+ */
+export async function runAdminCommand(config: Config, command: AdminCommand, options: { anySchema?: boolean } = {}): Promise<void> {
+  const logger = createLogger({ logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel }, process.stderr);
+  const database = await openDatabase(config, logger);
+  const effective = database.embedded ? await withLocalSecrets(config) : config;
+  const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger });
+  try {
+    if (!options.anySchema) await assertSchemaCurrent(pool);
+    console.log(await command(createDb(pool), { pool, logger, config: effective }));
+  } finally {
+    await pool.end();
+    await database.release();
+  }
+}
+
 /**
  * Stops an API process whose encryption keys do not decrypt the stored signing secrets: it
  * would answer every signed request with a 500. (Before any key exists there is nothing to try.)
@@ -350,3 +384,13 @@ async function assertSecretsDecrypt(db: Db, config: Pick<Config, 'secretEncrypti
 
 const noEncryptionKey = () =>
   new ConfigError('SECRET_ENCRYPTION_KEY is not set: the API needs it to decrypt signing secrets and verify request signatures.');
+
+async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
+  await assertMigrationsUnchanged(pool);
+  const { applied, expected } = await schemaVersion(pool);
+  if (applied !== expected) {
+    throw new ConfigError(
+      `The database schema is at migration ${applied}, this gateway needs ${expected}: run \`gateway migrate\` first.`,
+    );
+  }
+}

@@ -6,7 +6,7 @@ import { reencryptSecrets } from '../keys/reencryption.ts';
 import { createKey, listKeys, revokeKey } from '../keys/service.ts';
 import { CommandError, table } from './output.ts';
 import * as v from 'valibot';
-import type { AdminCommand } from './admin.ts';
+import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
 
 async function createKeyCommand(

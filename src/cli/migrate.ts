@@ -1,6 +1,6 @@
 // gateway migrate
 import { migrate } from '../db/migrate.ts';
-import type { AdminCommand } from './admin.ts';
+import type { AdminCommand } from '../main.ts';
 
 export const migrateCommand: AdminCommand = async (_db, { pool, logger }) => {
   await migrate(pool, logger);

@@ -5,7 +5,7 @@ import type { KeyMode } from '../ids.ts';
 import { findRequestDetail, listRequests, stats } from '../requests/inspection.ts';
 import { CommandError, printable, table } from './output.ts';
 import * as v from 'valibot';
-import type { AdminCommand } from './admin.ts';
+import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
 
 async function showRequestCommand(db: Db, id: string, options: { json: boolean }): Promise<string> {

@@ -4,7 +4,7 @@ import type { Db } from '../db/pool.ts';
 import { laneStates } from '../lanes/repository.ts';
 import type { Upstream } from '../upstream/upstreams.ts';
 import { table } from './output.ts';
-import type { AdminCommand } from './admin.ts';
+import type { AdminCommand } from '../main.ts';
 import { parse } from './args.ts';
 
 async function upstreamsCommand(db: Db, upstreams: readonly Upstream[], options: { json: boolean }): Promise<string> {

@@ -4,7 +4,7 @@ import type { Db } from '../db/pool.ts';
 import { usageDaily } from '../requests/inspection.ts';
 import { table } from './output.ts';
 import * as v from 'valibot';
-import type { AdminCommand } from './admin.ts';
+import type { AdminCommand } from '../main.ts';
 import { parse } from './args.ts';
 
 async function usageCommand(db: Db, options: { project?: string; since?: string; json: boolean }): Promise<string> {

@@ -2,7 +2,7 @@
 import type { Db } from '../db/pool.ts';
 import { addEndpoint, listEndpoints, removeEndpoint, rotateSecret, type WebhookSettings } from '../webhooks/endpoints.ts';
 import { CommandError, table } from './output.ts';
-import type { AdminCommand } from './admin.ts';
+import type { AdminCommand } from '../main.ts';
 import { parse, UsageError } from './args.ts';
 import { WEBHOOK_ENDPOINT_ID } from '../ids.ts';
 

@@ -9,11 +9,12 @@
 // when first seen.)
 import { createHash } from 'node:crypto';
 import { readdir, readFile } from 'node:fs/promises';
+import { runMigrations } from 'graphile-worker';
 import type { Selectable } from 'kysely';
 import type pg from 'pg';
-import { ConfigError } from '../config.ts';
 import type { Logger } from '../logger.ts';
 import type { Database } from './database.ts';
+import { graphileLogger } from './graphile-logger.ts';
 import { SCHEMA } from './pool.ts';
 
 const SQL_DIR = new URL('../../sql/', import.meta.url);
@@ -129,9 +130,6 @@ export async function migrate(pool: pg.Pool, logger: Logger, source: MigrationSo
         }
         logger.info({ migration: migration.file }, 'applied migration');
       }
-      // (loaded here: the commands that only check the schema, most of the command line's, need
-      // nothing of graphile-worker)
-      const [{ runMigrations }, { graphileLogger }] = await Promise.all([import('graphile-worker'), import('./graphile-logger.ts')]);
       await runMigrations({ pgPool: pool, logger: graphileLogger(logger) });
       await tuneAddJobsPlans(client);
     } finally {
@@ -194,18 +192,4 @@ export async function schemaVersion(pool: pg.Pool): Promise<{ applied: number; e
   if (!exists.rows[0]?.exists) return { applied: 0, expected };
   const { rows } = await pool.query<{ applied: number | null }>(`select max(id) as applied from ${SCHEMA}.migrations`);
   return { applied: rows[0]?.applied ?? 0, expected };
-}
-
-/**
- * Refuses a database whose schema is not this code's (a released migration edited, or migrations
- * not yet applied), saying what to run, rather than failing later on a table or column.
- */
-export async function assertSchemaCurrent(pool: pg.Pool): Promise<void> {
-  await assertMigrationsUnchanged(pool);
-  const { applied, expected } = await schemaVersion(pool);
-  if (applied !== expected) {
-    throw new ConfigError(
-      `The database schema is at migration ${applied}, this gateway needs ${expected}: run \`gateway migrate\` first.`,
-    );
-  }
 }
