@@ -1,6 +1,8 @@
 // The worker supervisor: dead pools' jobs are released, and a pool that stops on its own is
 // replaced, so requests finish without a restart. A live worker is never taken for dead: not
-// while its event loop stalls, nor while it stops and its calls in flight land.
+// while its event loop stalls, nor while it stops and its calls in flight land. A dead one is
+// found when its heartbeat comes of age, with all its attempts, recorded once however many
+// workers sweep.
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t, { type Test } from 'tap';
