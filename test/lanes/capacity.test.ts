@@ -9,7 +9,8 @@ import { until } from '../helpers/wait.ts';
 
 t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, charged nothing', async (t) => {
   const upstream = await startFakeUpstream(t, completionAfter(300));
-  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_IN_FLIGHT: '5' } });
+  // Six rounds of calls of 300 ms: on a busy machine the last ones end after the suite's 3 s wait.
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_IN_FLIGHT: '5', WAIT_TIMEOUT_MS: '30000' } });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const answers = await Promise.all(
     Array.from({ length: 30 }, (_, i) => client.post({ model: 'gpt-x', messages: userMessage(`n${i}`), wait: true })),

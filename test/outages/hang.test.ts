@@ -21,8 +21,10 @@ t.test('the upstream hangs every call for 120 s while 500 requests arrive: none 
   const durations = hung.map((call) => (call.endedAt ?? Date.now()) - call.arrivedAt);
   t.ok(hung.length > 0, `calls hung during the outage (${hung.length})`);
   t.same(hung.filter((call) => call.endedAt === undefined).length, 0, 'the gateway gave up every hung call: none is still open');
+  // (As the upstream sees them: from when its event loop, in this busy test process, got to the
+  // call's body, which can be some hundreds of milliseconds after the gateway's timer started.)
   t.same(
-    durations.filter((ms) => ms < UPSTREAM_TIMEOUT_MS - 200 || ms > UPSTREAM_TIMEOUT_MS + 3_000),
+    durations.filter((ms) => ms < UPSTREAM_TIMEOUT_MS - 1_000 || ms > UPSTREAM_TIMEOUT_MS + 3_000),
     [],
     `each after about UPSTREAM_TIMEOUT_MS (${spread(durations)})`,
   );
