@@ -28,7 +28,7 @@ import { QueueRouter } from './lanes/routing.ts';
 import { intakeLimitsFor, NO_INTAKE_LIMITS } from './requests/intake.ts';
 import { stopOnSignals } from './signals.ts';
 import { createAttempts, type RecordingWaiters } from './worker/attempts.ts';
-import { Dispatcher, OWN_DISPATCH_FALLBACK_MS } from './worker/dispatcher.ts';
+import { Dispatcher, dispatcherSettings, OWN_DISPATCH_FALLBACK_MS } from './worker/dispatcher.ts';
 import { startWorkerService, type WorkerService } from './worker/supervisor.ts';
 import { WebhookDeliverer } from './webhooks/deliverer.ts';
 import { oldestUnfinishedMessageAge } from './webhooks/repository.ts';
@@ -215,16 +215,7 @@ function buildWorkerSide(parts: {
   metrics.watchPool('worker', pool);
   const attempts = createAttempts({ db, config, metrics, logger, waiters });
   shutdown.users.push(() => attempts.close());
-  const dispatcher = new Dispatcher({
-    db,
-    attempts,
-    upstreams: config.upstreams,
-    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
-    upstreamTimeoutMs: config.upstreamTimeoutMs,
-    graceMs: config.shutdownGraceMs,
-    metrics,
-    logger,
-  });
+  const dispatcher = new Dispatcher({ db, attempts, ...dispatcherSettings(config), metrics, logger });
   metrics.watchDispatcher(dispatcher);
   const deliverer = new WebhookDeliverer({ db, config, workerId: dispatcher.workerId, metrics, logger });
   listener.subscribe(FINISHED_CHANNEL, {

@@ -36,6 +36,7 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import { LRUCache } from 'lru-cache';
+import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { ABORTED_AS_ENDED, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
 import { whileUnavailable } from '../db/retry.ts';
@@ -71,6 +72,18 @@ export interface DispatcherOptions {
   graceMs: number;
   metrics: Metrics;
   logger: Logger;
+}
+
+/** The dispatcher's options that the settings decide. */
+export function dispatcherSettings(
+  config: Pick<Config, 'upstreams' | 'maxInFlight' | 'testMaxInFlight' | 'upstreamTimeoutMs' | 'shutdownGraceMs'>,
+): Pick<DispatcherOptions, 'upstreams' | 'capacity' | 'upstreamTimeoutMs' | 'graceMs'> {
+  return {
+    upstreams: config.upstreams,
+    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
+    upstreamTimeoutMs: config.upstreamTimeoutMs,
+    graceMs: config.shutdownGraceMs,
+  };
 }
 
 // Attempts started by one claim statement at most, and started before the event loop is given a turn.

@@ -5,7 +5,7 @@ import { createDb, createPool } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
 import { Metrics } from '../../src/metrics.ts';
 import { createAttempts } from '../../src/worker/attempts.ts';
-import { Dispatcher } from '../../src/worker/dispatcher.ts';
+import { Dispatcher, dispatcherSettings } from '../../src/worker/dispatcher.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { queueOf } from '../helpers/rows.ts';
@@ -21,17 +21,7 @@ t.test('a worker keeps no slot for a queue once its dispatch is over, and the ro
   const db = createDb(pool);
   const metrics = new Metrics();
   const attempts = createAttempts({ db, config, metrics, logger });
-  const dispatcher = new Dispatcher({
-    db,
-    attempts,
-    upstreams: config.upstreams,
-    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
-    routesRemembered: 5,
-    upstreamTimeoutMs: config.upstreamTimeoutMs,
-    graceMs: config.shutdownGraceMs,
-    metrics,
-    logger,
-  });
+  const dispatcher = new Dispatcher({ db, attempts, ...dispatcherSettings(config), routesRemembered: 5, metrics, logger });
   t.teardown(async () => {
     await dispatcher.stop();
     await attempts.close();

@@ -11,7 +11,7 @@ import { createLogger } from '../../src/logger.ts';
 import { Metrics } from '../../src/metrics.ts';
 import { WebhookDeliverer } from '../../src/webhooks/deliverer.ts';
 import { createAttempts } from '../../src/worker/attempts.ts';
-import { Dispatcher } from '../../src/worker/dispatcher.ts';
+import { Dispatcher, dispatcherSettings } from '../../src/worker/dispatcher.ts';
 import { startWorkerService } from '../../src/worker/supervisor.ts';
 import { sweep } from '../../src/worker/supervisor-repository.ts';
 import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
@@ -42,16 +42,7 @@ async function startWorkerIn(t: Test, gateway: Awaited<ReturnType<typeof startTe
   const db = createDb(pool);
   const metrics = new Metrics();
   const attempts = createAttempts({ db, config, metrics, logger });
-  const dispatcher = new Dispatcher({
-    db,
-    attempts,
-    upstreams: config.upstreams,
-    capacity: { live: config.maxInFlight, test: config.testMaxInFlight },
-    upstreamTimeoutMs: config.upstreamTimeoutMs,
-    graceMs: config.shutdownGraceMs,
-    metrics,
-    logger,
-  });
+  const dispatcher = new Dispatcher({ db, attempts, ...dispatcherSettings(config), metrics, logger });
   const deliverer = new WebhookDeliverer({ db, config, workerId: dispatcher.workerId, metrics, logger });
   const started = await startWorkerService({ config, pool, db, metrics, logger, dispatcher, deliverer, attempts });
   // Stopped once, by the test or else at its end.
