@@ -291,14 +291,9 @@ export async function finishAttempts(
              ${RETRY_KEY_PREFIX} || queue_id || ':' || slot as key
       from (
         select queue_id, ceil(extract(epoch from next_attempt_at) * 1000 / ${RETRY_SLOT_MS}::float8)::bigint as slot
-        from finished where status = 'retrying' and next_attempt_at > now()
+        from finished where status = 'retrying'
       ) as retries
       union -- (not all: one row, and one job, per queue and slot)
-      -- Retries due at once (an attempt lost with its worker, a failure on a lane not healthy): a
-      -- job due now, which the workers hear of, where one due at its slot's end would wait for
-      -- their next poll. One per queue and statement.
-      select queue_id, now(), null from finished where status = 'retrying' and next_attempt_at <= now()
-      union
       select queue_id, now(), null from lanes_taught where old_health <> health
     ), queued as (
       select count(*) as jobs

@@ -42,21 +42,3 @@ t.test('40 retries after 429s, due within 100 ms of each other: one dispatch job
   await finishAttempts(db, [{ ...retry(ids[0]!, 0), attempt: 2, unchargedDelayMs: 60_000 }], SETTINGS);
   t.equal((await dispatchJobs(db)).length, slots.size + 1, 'a retry a minute later: one job more');
 });
-
-t.test('retries due at once (attempts lost with their worker): one dispatch job for their queue, due now, not at the end of a slot', async (t) => {
-  const { pool, db } = await testDatabasePool(t, 'retry-dispatch-now-test');
-  const ids = Array.from({ length: 20 }, (_, i) => `req_lost${String(i + 1).padStart(2, '0')}LostWithItsWorker000`);
-  await plantRunning(pool, { project: 'lost', ids });
-  const lost = (id: string): Extract<Finish, { kind: 'retry' }> => ({
-    kind: 'retry', id, attempt: 1, code: 'worker_lost', fault: 'worker', detail: 'the worker running this attempt stopped',
-    upstreamStatus: null, durationMs: null, delayMs: 0, unchargedDelayMs: 0,
-  });
-  const { finished } = await finishAttempts(db, ids.map(lost), SETTINGS);
-  t.same(finished, ids.map(() => ({ status: 'retrying', charged: true })), 'all retrying');
-  const jobs = await dispatchJobs(db);
-  t.equal(jobs.length, 1, 'one job for the queue');
-  // (next_attempt_at is the finishing statement's now(): the retries are due at once)
-  const { rows } = await pool.query<{ next_attempt_at: Date }>('select distinct next_attempt_at from gateway.requests');
-  t.equal(rows.length, 1);
-  t.equal(jobs[0]!.run_at.toISOString(), rows[0]!.next_attempt_at.toISOString(), 'due when they are, not at the end of their slot');
-});
