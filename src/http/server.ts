@@ -6,13 +6,21 @@ import type { AddressInfo } from 'node:net';
 import type { Duplex } from 'node:stream';
 import { ApiError, invalidRequest } from '../errors.ts';
 
+/** How long the server keeps an idle keep-alive connection open. */
+export const KEEP_ALIVE_TIMEOUT_MS = 65_000;
+
 export function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
   const server = http.createServer(
     {
       // Hostile or broken clients may not hold a socket open without sending a request.
       headersTimeout: 10_000,
       requestTimeout: 30_000,
-      keepAliveTimeout: 5_000,
+      // An idle connection is closed by the server only long after any client or proxy in front
+      // would stop reusing it (Node's fetch after 3 s, load balancers after 60 s). A request sent
+      // on a connection as the server closes it is lost with a reset, which a client cannot
+      // safely retry for a POST; and a process held off the CPU for a few seconds (a busy host)
+      // closes, as it wakes, the connections its clients reused meanwhile, unread requests and all.
+      keepAliveTimeout: KEEP_ALIVE_TIMEOUT_MS,
       maxHeaderSize: 16 * 1024,
     },
     handler,

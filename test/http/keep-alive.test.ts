@@ -1,0 +1,57 @@
+// Keep-alive connections and a process held off the CPU: on a busy host, a gateway process can
+// go seconds without running. A client reuses its idle connection meanwhile; the process, as it
+// wakes, runs its timers before it reads its sockets, and a keep-alive timeout that expired in
+// the pause would close that connection with the request unread: the client would get a reset.
+// The process is held here with SIGSTOP, as the kernel holds a starved one.
+import { randomBytes } from 'node:crypto';
+import http from 'node:http';
+import { setTimeout as sleep } from 'node:timers/promises';
+import t from 'tap';
+import { KEEP_ALIVE_TIMEOUT_MS } from '../../src/http/server.ts';
+import { createTestDatabase } from '../helpers/database.ts';
+import { childEnv, childExecArgv } from '../helpers/node-child.ts';
+import { GatewayProcess } from '../helpers/serve.ts';
+
+// Longer than the keep-alive timeouts of Node's own servers (5 s), shorter than the gateway's.
+const PAUSE_MS = 6_000;
+
+t.test(`a request sent on an idle keep-alive connection while the API process is paused for ${PAUSE_MS / 1000} s is answered, not reset`, async (t) => {
+  t.ok(KEEP_ALIVE_TIMEOUT_MS > PAUSE_MS + 1_000, `the gateway keeps idle connections ${KEEP_ALIVE_TIMEOUT_MS} ms`);
+  const api = new GatewayProcess({
+    label: 'api',
+    args: ['--role', 'api'],
+    env: {
+      ...childEnv(),
+      DATABASE_URL: await createTestDatabase(t),
+      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+      PORT: '0',
+      HOST: '127.0.0.1',
+      LOG_LEVEL: 'info',
+    },
+    nodeArgs: childExecArgv(),
+  });
+  t.teardown(() => api.destroy());
+  await api.start();
+
+  // One connection, kept: the second request goes on the first one's connection.
+  const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+  t.teardown(() => agent.destroy());
+  const healthz = () =>
+    new Promise<{ status: number; reused: boolean } | { failure: string }>((resolve) => {
+      const request = http.get(`${api.url}/healthz`, { agent }, (response) => {
+        response.resume();
+        response.on('end', () => resolve({ status: response.statusCode!, reused: request.reusedSocket }));
+      });
+      request.on('error', (error: NodeJS.ErrnoException) => resolve({ failure: error.code ?? error.message }));
+    });
+
+  t.same(await healthz(), { status: 200, reused: false }, 'the first request opens the connection');
+  const idleSince = Date.now();
+  api.signal('SIGSTOP');
+  t.teardown(() => api.signal('SIGCONT'));
+  await sleep(1_000);
+  const second = healthz();
+  await sleep(idleSince + PAUSE_MS - Date.now());
+  api.signal('SIGCONT');
+  t.same(await second, { status: 200, reused: true }, 'the second, sent on it during the pause, is answered once the process runs again');
+});
