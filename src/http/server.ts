@@ -9,7 +9,11 @@ import { ApiError, invalidRequest } from '../errors.ts';
 /** How long the server keeps an idle keep-alive connection open. */
 export const KEEP_ALIVE_TIMEOUT_MS = 65_000;
 
+/** Each server's requests not yet answered, and whether it is closing (closeServer). */
+const servers = new WeakMap<http.Server, { unanswered: Set<http.ServerResponse>; closing: boolean }>();
+
 export function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
+  const state = { unanswered: new Set<http.ServerResponse>(), closing: false };
   const server = http.createServer(
     {
       // Hostile or broken clients may not hold a socket open without sending a request.
@@ -23,8 +27,14 @@ export function listen(handler: http.RequestListener, port: number, host: string
       keepAliveTimeout: KEEP_ALIVE_TIMEOUT_MS,
       maxHeaderSize: 16 * 1024,
     },
-    handler,
+    (request, response) => {
+      if (state.closing) response.shouldKeepAlive = false;
+      state.unanswered.add(response);
+      response.once('close', () => state.unanswered.delete(response));
+      handler(request, response);
+    },
   );
+  servers.set(server, state);
   server.maxHeadersCount = 100;
   server.on('clientError', answerClientError);
   return new Promise((resolve, reject) => {
@@ -61,8 +71,18 @@ function answerClientError(error: Error & { code?: string }, socket: Duplex): vo
   );
 }
 
-/** Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are answered. */
+/**
+ * Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are
+ * answered: their answers, and those of requests that still come on open connections, say
+ * `Connection: close`, and each connection closes once its answer is sent (rather than being
+ * kept for another request for KEEP_ALIVE_TIMEOUT_MS).
+ */
 export function closeServer(server: http.Server): Promise<void> {
+  const state = servers.get(server);
+  if (state) {
+    state.closing = true;
+    for (const response of state.unanswered) response.shouldKeepAlive = false;
+  }
   return new Promise((resolve) => {
     server.close(() => resolve());
     server.closeIdleConnections();

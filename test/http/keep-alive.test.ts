@@ -2,15 +2,19 @@
 // go seconds without running. A client reuses its idle connection meanwhile; the process, as it
 // wakes, runs its timers before it reads its sockets, and a keep-alive timeout that expired in
 // the pause would close that connection with the request unread: the client would get a reset.
-// The process is held here with SIGSTOP, as the kernel holds a starved one.
+// The process is held here with SIGSTOP, as the kernel holds a starved one. And a server that
+// keeps idle connections that long must close them itself as it shuts down.
 import { randomBytes } from 'node:crypto';
 import http from 'node:http';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { KEEP_ALIVE_TIMEOUT_MS } from '../../src/http/server.ts';
 import { createTestDatabase } from '../helpers/database.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { clientFor, userMessage } from '../helpers/http.ts';
 import { childEnv, childExecArgv } from '../helpers/node-child.ts';
 import { GatewayProcess } from '../helpers/serve.ts';
+import { until } from '../helpers/wait.ts';
 
 // Longer than the keep-alive timeouts of Node's own servers (5 s), shorter than the gateway's.
 const PAUSE_MS = 6_000;
@@ -54,4 +58,15 @@ t.test(`a request sent on an idle keep-alive connection while the API process is
   await sleep(idleSince + PAUSE_MS - Date.now());
   api.signal('SIGCONT');
   t.same(await second, { status: 200, reused: true }, 'the second, sent on it during the pause, is answered once the process runs again');
+});
+
+t.test('a stopping API answers the requests it holds with Connection: close, so that their connections end with them', async (t) => {
+  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '30000', UPSTREAM_TIMEOUT_MS: '60000' } });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const pending = client.post({ model: 'test-delay-60000', messages: userMessage(), wait: true });
+  await until(() => gateway.waiters!.size === 1, 'the request to wait', 30_000);
+  await gateway.stop();
+  const answer = await pending;
+  t.equal(answer.status, 202, 'answered with its acknowledgement');
+  t.equal(answer.headers.get('connection'), 'close', 'with Connection: close');
 });
