@@ -1,8 +1,9 @@
 // How a test starts Node processes of its own (a gateway, a command): with the test's node flags
-// and environment, less tap's instrumentation. tap starts each test file with import hooks
-// (@tapjs/mock, @tapjs/processinfo), as flags and again in NODE_OPTIONS, which every Node process
-// below it would load too: they record what each process loads, for coverage this suite does not
-// take, and more than double the CPU a gateway process spends starting (about 1 s against 0.4 s).
+// and environment, less tap's instrumentation. tap starts each test file with an import hook
+// (@tapjs/processinfo; package.json's tap.plugin leaves out the plugins that would add more), as
+// a flag and again in NODE_OPTIONS, which every Node process below it would load too: it records
+// what each process loads, for coverage this suite does not take, and would nearly double the CPU
+// a gateway process spends starting.
 
 const isTapHook = (arg: string) => arg.includes('@tapjs/');
 
