@@ -33,7 +33,7 @@ import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
-import { ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
+import { abortAfter, ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
@@ -463,7 +463,7 @@ export class WebhookDeliverer {
 
   #fly(message: ClaimedMessage, encryptionKeys: readonly Buffer[], slot: EndpointSlot, probe: boolean): void {
     const controller = new AbortController();
-    const timer = setTimeout(() => controller.abort(ABORTED_BY_TIMEOUT), this.#options.config.webhooks.timeoutMs);
+    const timer = abortAfter(controller, this.#options.config.webhooks.timeoutMs);
     slot.busy++;
     const done = this.#try(message, encryptionKeys, controller.signal, probe, slot).finally(() => {
       clearTimeout(timer);

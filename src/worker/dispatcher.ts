@@ -38,7 +38,7 @@ import { hostname } from 'node:os';
 import { LRUCache } from 'lru-cache';
 import type { Config } from '../config.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
-import { ABORTED_AS_ENDED, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
+import { abortAfter, ABORTED_AS_ENDED, landWithin, type InFlight } from '../grace.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import type { KeyMode } from '../ids.ts';
 import {
@@ -382,7 +382,7 @@ export class Dispatcher {
 
   #fly(queueId: string, { target, limits }: Deployment, started: StartedAttempt): void {
     const controller = new AbortController();
-    const timer = setTimeout(abortTimedOut, this.#options.upstreamTimeoutMs, controller);
+    const timer = abortAfter(controller, this.#options.upstreamTimeoutMs);
     this.#inFlight[target.mode]++;
     const done = this.#options.attempts.run(target, started, controller.signal).finally(() => {
       clearTimeout(timer);
@@ -434,6 +434,3 @@ function renamedFor(upstream: Upstream, model: string): string | undefined {
   return own === model ? undefined : own;
 }
 
-function abortTimedOut(controller: AbortController): void {
-  controller.abort(ABORTED_BY_TIMEOUT);
-}

@@ -226,3 +226,31 @@ t.test('UPSTREAM_MAX_RESPONSE_BYTES sets the limit', async (t) => {
   const small = await runAgainst(t, () => ({ status: 200, text }), { MAX_ATTEMPTS: '1', UPSTREAM_MAX_RESPONSE_BYTES: '8192' });
   t.match(small.row, { status: 'completed' }, 'and one within it completes');
 });
+
+t.test('an answer that came in time while the worker was held off the CPU past its timeout is taken, not a timeout', async (t) => {
+  // A process held off the CPU (a busy host) wakes with its timers due and unread answers in its
+  // sockets, and runs the timers first. Here the upstream answers 200 ms into a 1,000 ms timeout,
+  // and this process (the gateway's worker is in it) is kept busy at once until 1,500 ms, before
+  // it has read the answer.
+  const timeoutMs = 1_000;
+  const upstream = await startFakeUpstream(t, (call) =>
+    new Promise<Reply>((resolve) =>
+      setTimeout(() => {
+        // (Both in one check phase: the answer is written, then the process is busy.)
+        setImmediate(() => resolve({ status: 200, json: completionFor(call.body) }));
+        setImmediate(() => {
+          const until = call.arrivedAt + timeoutMs * 1.5;
+          while (Date.now() < until);
+        });
+      }, 200),
+    ),
+  );
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: String(timeoutMs) },
+  });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
+  const row = await waitForRow(gateway.db, accepted.body.id, isTerminal);
+  t.match(row, { status: 'completed', attempts: 1 });
+  t.match(await attemptRows(gateway.db, row.id), [{ outcome: 'succeeded', upstream_status: 200 }]);
+});
