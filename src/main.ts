@@ -337,20 +337,29 @@ export interface AdminContext {
 export type AdminCommand = (db: Db, context: AdminContext) => Promise<string>;
 
 /**
- * Runs one administrative command against the database and prints what it returns. Logs go to
- * stderr, so that stdout (for --json) carries only the answer. With DATABASE_URL unset, the
+ * Runs one administrative command against the database and prints what it returns on `io.out`.
+ * Logs go to `io.err`, so that standard output (for --json) carries only the answer. With DATABASE_URL unset, the
  * embedded Postgres under DATA_DIR is used (started for the command if it is not running).
  * Unless it is `migrate` (`anySchema`), a command refuses a database whose schema is not this
  * code's, saying what to run, rather than failing on a table or column it does not find.
  */
-export async function runAdminCommand(config: Config, command: AdminCommand, options: { anySchema?: boolean } = {}): Promise<void> {
-  const logger = createLogger({ logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel }, process.stderr);
+export async function runAdminCommand(
+  config: Config,
+  io: { out(text: string): void; err(text: string): void },
+  command: AdminCommand,
+  options: { anySchema?: boolean } = {},
+): Promise<0> {
+  const logger = createLogger(
+    { logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel },
+    { write: (line: string) => io.err(line.replace(/\n$/, '')) },
+  );
   const database = await openDatabase(config, logger);
   const effective = database.embedded ? await withLocalSecrets(config) : config;
   const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger });
   try {
     if (!options.anySchema) await assertSchemaCurrent(pool);
-    console.log(await command(createDb(pool), { pool, logger, config: effective }));
+    io.out(await command(createDb(pool), { pool, logger, config: effective }));
+    return 0;
   } finally {
     await pool.end();
     await database.release();

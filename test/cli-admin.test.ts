@@ -1,5 +1,4 @@
-// gateway requests show | list, stats, upstreams and usage, run as processes against a working
-// gateway's database.
+// gateway requests show | list, stats, upstreams and usage against a working gateway's database.
 import t from 'tap';
 import { cliOutput, runCli } from './helpers/cli.ts';
 import { startTestGateway } from './helpers/gateway.ts';

@@ -1,10 +1,12 @@
-// The gateway command line (docs/cli.md), run as real processes against a database.
+// The gateway command line (docs/cli.md) against a database; its exit codes and streams also as a
+// process of its own.
 import { createHash, randomBytes } from 'node:crypto';
+import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import t from 'tap';
 import { listMigrations } from '../src/db/migrate.ts';
 import { mayBeIssuedApiKey } from '../src/ids.ts';
-import { runCli } from './helpers/cli.ts';
+import { runCli, runCliProcess } from './helpers/cli.ts';
 import { adminQuery, createTestDatabase, urlForDatabase } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage } from './helpers/http.ts';
@@ -124,9 +126,13 @@ t.test('keys create, list and revoke', async (t) => {
   const revoked = await runCli(['keys', 'revoke', key.id], env);
   t.equal(revoked.code, 0, revoked.stderr);
   t.match(revoked.stdout, new RegExp(`Revoked key ${key.id}`));
-  const refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
+  // The API process hears of it by NOTIFY, a moment after the revocation's commit.
+  let refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
+  for (const deadline = Date.now() + 5_000; refused.status !== 401 && Date.now() < deadline; await sleep(10)) {
+    refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
+  }
   t.equal(refused.status, 401);
-  t.equal(refused.body.error.code, 'invalid_api_key');
+  t.equal(refused.body.error?.code, 'invalid_api_key');
 
   const unknown = await runCli(['keys', 'revoke', 'key_doesnotexist000000'], env);
   t.equal(unknown.code, 1);
@@ -168,28 +174,33 @@ t.test('keys create --deadline gives the key a deadline of its own, which keys l
   t.same((await adminRows(url, 'select count(*)::int as keys from gateway.api_keys'))[0], { keys: 3 }, 'a refused key is not created');
 });
 
-t.test('mistakes get a message and a non-zero exit, not a stack trace', async (t) => {
+t.test('mistakes get a message and a non-zero exit, not a stack trace (the command line as a process)', async (t) => {
   const url = await createTestDatabase(t);
-  const noSecret = await runCli(['keys', 'create', '--project', 'x'], { DATABASE_URL: url });
+  const help = await runCliProcess(['--help'], {});
+  t.equal(help.code, 0);
+  t.match(help.stdout, /^Usage: gateway <command>/);
+  t.equal(help.stderr, '');
+
+  const noSecret = await runCliProcess(['keys', 'create', '--project', 'x'], { DATABASE_URL: url });
   t.equal(noSecret.code, 1);
   t.match(noSecret.stderr, /SECRET_ENCRYPTION_KEY is not set/);
 
-  const badProject = await runCli(['keys', 'create', '--project', 'no spaces'], {
+  const badProject = await runCliProcess(['keys', 'create', '--project', 'no spaces'], {
     DATABASE_URL: url,
     SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
   });
   t.equal(badProject.code, 1);
   t.match(badProject.stderr, /project name/);
 
-  const serveWithoutDatabase = await runCli(['serve'], {});
+  const serveWithoutDatabase = await runCliProcess(['serve'], {});
   t.equal(serveWithoutDatabase.code, 1);
   t.match(serveWithoutDatabase.stderr, /DATABASE_URL is not set/);
 
-  const badSetting = await runCli(['migrate'], { DATABASE_URL: url, MAX_ATTEMPTS: 'lots' });
+  const badSetting = await runCliProcess(['migrate'], { DATABASE_URL: url, MAX_ATTEMPTS: 'lots' });
   t.equal(badSetting.code, 1);
   t.match(badSetting.stderr, /MAX_ATTEMPTS must be a whole number/);
 
-  const unknownCommand = await runCli(['frobnicate'], { DATABASE_URL: url });
+  const unknownCommand = await runCliProcess(['frobnicate'], { DATABASE_URL: url });
   t.equal(unknownCommand.code, 2);
   t.match(unknownCommand.stderr, /Unknown command/);
   t.match(unknownCommand.stderr, /Usage: gateway/);

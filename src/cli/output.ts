@@ -35,3 +35,12 @@ export function printable(text: string): string {
 export class CommandError extends Error {
   override name = 'CommandError';
 }
+
+/** What a command runs with: the settings (the environment), and where its output goes. */
+export interface CommandLineIo {
+  env: Record<string, string | undefined>;
+  /** Prints a text and a newline on standard output. */
+  out(text: string): void;
+  /** Prints a text and a newline on standard error. */
+  err(text: string): void;
+}

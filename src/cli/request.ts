@@ -4,7 +4,7 @@
 import { readFile } from 'node:fs/promises';
 import { signRequest, stringToSign, sha256Hex } from '../client/index.ts';
 import type { Config } from '../config.ts';
-import { CommandError } from './output.ts';
+import { CommandError, type CommandLineIo } from './output.ts';
 import { parse, UsageError } from './args.ts';
 
 interface RequestCommand {
@@ -77,17 +77,12 @@ function pretty(text: string): string {
 
 const indent = (text: string) => text.split('\n').map((line) => `    ${line}`).join('\n');
 
-/** gateway request <METHOD> <path> [body] [--verbose], from its arguments; exit code 1 unless the answer is a success. */
-export async function runRequestCommand(config: Config, args: string[]): Promise<void> {
+/** gateway request <METHOD> <path> [body] [--verbose], from its arguments; true when the answer is a success. */
+export async function runRequestCommand(config: Config, args: string[], io: Pick<CommandLineIo, 'out' | 'err'>): Promise<boolean> {
   const { values, positionals } = parse(args, { verbose: { type: 'boolean', default: false } }, true);
   const [method, path, body] = positionals;
   if (method === undefined || path === undefined || positionals.length > 3) {
     throw new UsageError('request needs a method and a path, and takes an optional body.');
   }
-  const ok = await requestCommand(
-    config.client,
-    { method, path, body, verbose: values.verbose! },
-    { out: (text) => console.log(text), err: (text) => console.error(text) },
-  );
-  if (!ok) process.exitCode = 1;
+  return requestCommand(config.client, { method, path, body, verbose: values.verbose! }, io);
 }

@@ -1,29 +1,16 @@
-// gateway webhooks add | list | remove | rotate-secret, run as real processes against a database:
-// the secret is shown once and kept only encrypted, listings never show it, rotation keeps the
-// old one for 24 hours, and mistakes get a message and an exit code.
-import { execFile } from 'node:child_process';
+// gateway webhooks add | list | remove | rotate-secret against a database: the secret is shown
+// once and kept only encrypted, listings never show it, rotation keeps the old one for 24 hours,
+// and mistakes get a message and an exit code.
 import { randomBytes } from 'node:crypto';
-import { promisify } from 'node:util';
 import t from 'tap';
 import { createDb, createPool } from '../../src/db/pool.ts';
 import { decryptSecret } from '../../src/keys/secrets.ts';
 import { createLogger } from '../../src/logger.ts';
+import { runCli } from '../helpers/cli.ts';
 import { createTestDatabase } from '../helpers/database.ts';
-import { childEnv } from '../helpers/node-child.ts';
 
-const run = promisify(execFile);
-const CLI = new URL('../../src/cli.ts', import.meta.url).pathname;
-
-async function gateway(args: string[], env: Record<string, string | undefined>) {
-  const { DATABASE_URL: _url, SECRET_ENCRYPTION_KEY: _key, WEBHOOK_ALLOW_PRIVATE: _private, ...inherited } = childEnv();
-  try {
-    const { stdout, stderr } = await run(process.execPath, [CLI, ...args], { env: { ...inherited, LOG_LEVEL: 'warn', ...env } });
-    return { code: 0, stdout, stderr };
-  } catch (error) {
-    const failed = error as { code: number; stdout: string; stderr: string };
-    return { code: failed.code, stdout: failed.stdout, stderr: failed.stderr };
-  }
-}
+/** `gateway <args>`, private webhook addresses refused (the test run's own setting left out). */
+const gateway = (args: string[], env: Record<string, string | undefined>) => runCli(args, { WEBHOOK_ALLOW_PRIVATE: undefined, ...env });
 
 async function setUp(t: Parameters<typeof createTestDatabase>[0] & { teardown(fn: () => Promise<void>): void }) {
   const databaseUrl = await createTestDatabase(t);
