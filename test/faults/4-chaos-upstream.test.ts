@@ -137,15 +137,17 @@ function crossCheck(request: RequestWithAttempts, calls: ChaosCall[]): { problem
     let code = expected[index];
     if (code === undefined || !chaos) return;
     // This process answered after the gateway's timeout had passed (it was starved of CPU; the
-    // answer goes out as the call's body arrives): what the gateway saw was no answer in time.
-    // The gateway's timer starts with its call, which is after the attempt's started_at (the row
-    // is written first; on a busy machine, a second or more before) and before this process
-    // received the call. An answer sooner than the timeout counted from started_at was in time;
-    // a later one may have been, or not: the gateway alone knows which of the two it saw. So may
-    // one that came just before the deadline: a worker whose event loop was held up (two busy
-    // cores) runs its due timers before it reads its sockets, and its timeout ends the call.
-    const lateFromStart = chaos.received.arrivedAt >= attempt.started_at.getTime() + UPSTREAM_TIMEOUT_MS - EVENT_LOOP_SLACK_MS;
-    if (lateFromStart && attempt.error_code === 'upstream_timeout') {
+    // answer goes out as the call's body arrives, a reset mid-body 5 ms after its first bytes):
+    // what the gateway saw was no answer in time. The answer's time is when it ended (its last
+    // byte sent, or its connection reset). The gateway's timer starts with its call, which is
+    // after the attempt's started_at (the row is written first; on a busy machine, a second or
+    // more before) and before this process received the call. An answer ended sooner than the
+    // timeout counted from started_at was in time; a later one may have been, or not: the gateway
+    // alone knows which of the two it saw. So may one that ended just before the deadline, and
+    // reached a worker whose event loop was held up (two busy cores) only after it.
+    const answeredAt = chaos.received.endedAt ?? Number.POSITIVE_INFINITY;
+    const lateFromStart = answeredAt >= attempt.started_at.getTime() + UPSTREAM_TIMEOUT_MS - EVENT_LOOP_SLACK_MS;
+    if (lateFromStart && attempt.error_code === 'upstream_timeout' && code !== 'upstream_timeout') {
       code = expected[index] = 'upstream_timeout';
       late += 1;
     }
