@@ -1,7 +1,7 @@
 // The command line's commands (docs/cli.md), run on given arguments, settings and output: src/cli.ts
 // runs them for the process (its argv, environment, stdout and stderr, exit code), and the tests
-// run the administrative ones in their own process. This picks the command; the other files of
-// src/cli/ parse its arguments, and main.ts runs it.
+// run them inside the test's process. This picks the command; the other files of src/cli/ parse
+// its arguments, and main.ts runs it.
 import { inspect } from 'node:util';
 import * as v from 'valibot';
 import { ConfigError, loadConfig } from '../config.ts';
@@ -61,9 +61,9 @@ Settings are environment variables; see docs/settings.md.`;
 
 /**
  * Runs `gateway <argv>` with `io`'s settings and output, and resolves to its exit code: 0 done
- * (`serve` and `start` resolve once serving, and run until a signal stops them), 1 a failure
- * (its message, not a stack trace, on `io.err`, or a `request` answered with no success), 2 a
- * usage error (with the usage).
+ * (`serve` and `start` resolve once serving, and run until a signal stops them), 1 a failure (on
+ * `io.err`: the message of one the user can act on, anything else with its stack; or a `request`
+ * answered with no success), 2 a usage error (with the usage).
  */
 export async function runCommandLine(argv: string[], io: CommandLineIo): Promise<number> {
   try {
