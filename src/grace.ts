@@ -10,12 +10,13 @@ export const ABORTED_AS_ENDED = 'ended';
 /**
  * Aborts work in flight with ABORTED_BY_TIMEOUT after `ms`, once this process has read its
  * sockets: a process held off the CPU (a busy host) wakes with its timers due before it reads what
- * arrived meanwhile, and an answer that came in time would otherwise be thrown away as a timeout.
- * (setImmediate runs after the event loop's next look at its sockets.) clearTimeout before the
- * time is up stops it; an abort after the work has landed changes nothing.
+ * arrived meanwhile, and an answer (or a reset) that came in time would otherwise be thrown away
+ * as a timeout. An immediate runs after the event loop's next look at its sockets; a reset is
+ * reported as its socket's handle closes, in the phase after that, hence two. clearTimeout before
+ * the time is up stops it; an abort after the work has landed changes nothing.
  */
 export function abortAfter(controller: AbortController, ms: number): NodeJS.Timeout {
-  return setTimeout(() => setImmediate(() => controller.abort(ABORTED_BY_TIMEOUT)), ms);
+  return setTimeout(() => setImmediate(() => setImmediate(() => controller.abort(ABORTED_BY_TIMEOUT))), ms);
 }
 
 export interface InFlight {

@@ -227,17 +227,19 @@ t.test('UPSTREAM_MAX_RESPONSE_BYTES sets the limit', async (t) => {
   t.match(small.row, { status: 'completed' }, 'and one within it completes');
 });
 
-t.test('an answer that came in time while the worker was held off the CPU past its timeout is taken, not a timeout', async (t) => {
-  // A process held off the CPU (a busy host) wakes with its timers due and unread answers in its
-  // sockets, and runs the timers first. Here the upstream answers 200 ms into a 1,000 ms timeout,
-  // and this process (the gateway's worker is in it) is kept busy at once until 1,500 ms, before
-  // it has read the answer.
+/**
+ * A gateway whose upstream answers `answer` 200 ms into a 1,000 ms timeout, after which this
+ * process (the gateway's worker is in it) is kept busy at once until 1,500 ms, before it has read
+ * the answer: as a process held off the CPU (a busy host) wakes with its timers due and unread
+ * answers in its sockets, and runs the timers first.
+ */
+async function heldOffAfter(t: Test, answer: Reply) {
   const timeoutMs = 1_000;
   const upstream = await startFakeUpstream(t, (call) =>
     new Promise<Reply>((resolve) =>
       setTimeout(() => {
         // (Both in one check phase: the answer is written, then the process is busy.)
-        setImmediate(() => resolve({ status: 200, json: completionFor(call.body) }));
+        setImmediate(() => resolve(answer));
         setImmediate(() => {
           const until = call.arrivedAt + timeoutMs * 1.5;
           while (Date.now() < until);
@@ -251,6 +253,17 @@ t.test('an answer that came in time while the worker was held off the CPU past i
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
   const row = await waitForRow(gateway.db, accepted.body.id, isTerminal);
+  return { row, attempts: await attemptRows(gateway.db, row.id) };
+}
+
+t.test('an answer that came in time while the worker was held off the CPU past its timeout is taken, not a timeout', async (t) => {
+  const { row, attempts } = await heldOffAfter(t, { status: 200, json: completionFor({ model: 'gpt-test', messages: userMessage() }) });
   t.match(row, { status: 'completed', attempts: 1 });
-  t.match(await attemptRows(gateway.db, row.id), [{ outcome: 'succeeded', upstream_status: 200 }]);
+  t.match(attempts, [{ outcome: 'succeeded', upstream_status: 200 }]);
+});
+
+t.test('a connection reset in time while the worker was held off the CPU past its timeout is a connection error, not a timeout', async (t) => {
+  const { row, attempts } = await heldOffAfter(t, { reset: true });
+  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_connection_error' });
+  t.match(attempts, [{ outcome: 'failed', error_code: 'upstream_connection_error' }]);
 });
