@@ -48,9 +48,13 @@ t.test('200 concurrent /readyz calls share one look at the database, and the nex
   const app = createOpsApp({ config: gateway.config, pool, metrics: new Metrics(), logger: createLogger({ logLevel: 'silent' }) });
   const url = `http://127.0.0.1:${await listenOnLoopback(t, http.createServer(app.callback()))}`;
 
+  const started = performance.now();
   const answers = await Promise.all(Array.from({ length: 200 }, () => send(url, { path: '/readyz' })));
+  const seconds = (performance.now() - started) / 1000;
   t.same(new Set(answers.map((answer) => answer.status)), new Set([200]));
-  t.ok(acquired <= 4, `at most 2 looks for 200 calls (${acquired / 2})`);
+  // One look, and one more for each whole second the calls took (on a busy machine, 200 calls
+  // can take more than one).
+  t.ok(acquired / 2 <= 1 + Math.floor(seconds), `at most one look a second: ${acquired / 2} for 200 calls in ${seconds.toFixed(2)} s`);
   const looked = acquired;
   await sleep(1_100);
   t.equal((await send(url, { path: '/readyz' })).status, 200);
