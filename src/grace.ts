@@ -7,16 +7,20 @@ export const ABORTED_BY_TIMEOUT = 'timeout';
 /** A call's request ended meanwhile (cancelled, or finished by another worker): its attempt is recorded already. */
 export const ABORTED_AS_ENDED = 'ended';
 
+/** How long work in flight outlives its timeout while its process runs (abortAfter). */
+export const READ_GRACE_MS = 50;
+
 /**
- * Aborts work in flight with ABORTED_BY_TIMEOUT after `ms`, once this process has read its
- * sockets: a process held off the CPU (a busy host) wakes with its timers due before it reads what
- * arrived meanwhile, and an answer (or a reset) that came in time would otherwise be thrown away
- * as a timeout. An immediate runs after the event loop's next look at its sockets; a reset is
- * reported as its socket's handle closes, in the phase after that, hence two. clearTimeout before
- * the time is up stops it; an abort after the work has landed changes nothing.
+ * Aborts work in flight with ABORTED_BY_TIMEOUT after `ms`, once this process has run for
+ * READ_GRACE_MS since: a process held off the CPU (a busy host) wakes with its timers due before it
+ * has read what arrived meanwhile, and an answer, a reset or a close that came in time would
+ * otherwise be thrown away as a timeout (undici reports a reset or a close a few turns of the event
+ * loop after it is read). The second timer starts when the first fires, so the grace is counted
+ * from the moment the process runs again. clearTimeout before `ms` is up stops it; an abort after
+ * the work has landed changes nothing.
  */
 export function abortAfter(controller: AbortController, ms: number): NodeJS.Timeout {
-  return setTimeout(() => setImmediate(() => setImmediate(() => controller.abort(ABORTED_BY_TIMEOUT))), ms);
+  return setTimeout(() => setTimeout(() => controller.abort(ABORTED_BY_TIMEOUT), READ_GRACE_MS), ms);
 }
 
 export interface InFlight {

@@ -228,27 +228,27 @@ t.test('UPSTREAM_MAX_RESPONSE_BYTES sets the limit', async (t) => {
 });
 
 /**
- * A gateway whose upstream answers `answer` 200 ms into a 1,000 ms timeout, after which this
+ * A gateway whose upstream answers with `answer` 200 ms into a 1,000 ms timeout, after which this
  * process (the gateway's worker is in it) is kept busy at once until 1,500 ms, before it has read
  * the answer: as a process held off the CPU (a busy host) wakes with its timers due and unread
  * answers in its sockets, and runs the timers first.
  */
-async function heldOffAfter(t: Test, answer: Reply) {
+async function heldOffAfter(t: Test, answer: (response: http.ServerResponse) => void) {
   const timeoutMs = 1_000;
-  const upstream = await startFakeUpstream(t, (call) =>
-    new Promise<Reply>((resolve) =>
-      setTimeout(() => {
-        // (Both in one check phase: the answer is written, then the process is busy.)
-        setImmediate(() => resolve(answer));
-        setImmediate(() => {
-          const until = call.arrivedAt + timeoutMs * 1.5;
-          while (Date.now() < until);
-        });
-      }, 200),
-    ),
-  );
+  const server = http.createServer(async (request, response) => {
+    for await (const _ of request);
+    const arrivedAt = Date.now();
+    setTimeout(() => {
+      // (Both in one check phase: the answer is written, then the process is busy.)
+      setImmediate(() => answer(response));
+      setImmediate(() => {
+        while (Date.now() < arrivedAt + timeoutMs * 1.5);
+      });
+    }, 200);
+  });
+  const port = await listenOnLoopback(t, server);
   const gateway = await startTestGateway(t, {
-    env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: String(timeoutMs) },
+    env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${port}/v1`, MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: String(timeoutMs) },
   });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
@@ -257,13 +257,26 @@ async function heldOffAfter(t: Test, answer: Reply) {
 }
 
 t.test('an answer that came in time while the worker was held off the CPU past its timeout is taken, not a timeout', async (t) => {
-  const { row, attempts } = await heldOffAfter(t, { status: 200, json: completionFor({ model: 'gpt-test', messages: userMessage() }) });
+  const completion = JSON.stringify(completionFor({ model: 'gpt-test', messages: userMessage() }));
+  const { row, attempts } = await heldOffAfter(t, (response) => response.writeHead(200, { 'content-type': 'application/json' }).end(completion));
   t.match(row, { status: 'completed', attempts: 1 });
   t.match(attempts, [{ outcome: 'succeeded', upstream_status: 200 }]);
 });
 
-t.test('a connection reset in time while the worker was held off the CPU past its timeout is a connection error, not a timeout', async (t) => {
-  const { row, attempts } = await heldOffAfter(t, { reset: true });
-  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_connection_error' });
-  t.match(attempts, [{ outcome: 'failed', error_code: 'upstream_connection_error' }]);
-});
+for (const [name, answer] of [
+  ['a connection reset', (response: http.ServerResponse) => response.socket!.resetAndDestroy()],
+  [
+    'a connection closed mid-body',
+    (response: http.ServerResponse) => {
+      response.writeHead(200, { 'content-type': 'application/json', 'content-length': '4096' });
+      response.write('{"id":"chatcmpl-cut","object":"chat.completion","choi');
+      response.socket!.destroy();
+    },
+  ],
+] as const) {
+  t.test(`${name} in time while the worker was held off the CPU past its timeout is a connection error, not a timeout`, async (t) => {
+    const { row, attempts } = await heldOffAfter(t, answer);
+    t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_connection_error' });
+    t.match(attempts, [{ outcome: 'failed', error_code: 'upstream_connection_error' }]);
+  });
+}
