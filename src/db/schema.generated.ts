@@ -635,6 +635,10 @@ export interface Requests {
    */
   result: Json | null;
   /**
+   * The size of result (its JSON text, in bytes), written with it; null without a result, and for results stored before sql/000022.sql.
+   */
+  result_bytes: number | null;
+  /**
    * queued -> processing -> completed | retrying | failed; retrying -> processing; queued | retrying | processing -> cancelled. completed, failed and cancelled never change.
    */
   status: Generated<string>;

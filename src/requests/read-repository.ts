@@ -25,13 +25,16 @@ export async function findRequests(
   ids: readonly string[],
   inlineResultBytes = Number.MAX_SAFE_INTEGER,
 ): Promise<(RequestHead | undefined)[]> {
-  // (The size is taken once per row, which offset 0 ensures: each time reads the whole result.)
+  // The size of a result is stored with it (sql/000022.sql); one stored before is measured, once
+  // per row, which offset 0 ensures: each measure decompresses the whole result.
   const { rows } = await sql<RequestHead>`
     select id, project_id, mode, status, attempts, created_at, updated_at, last_error_code, body_sha256,
            size.result_bytes,
            case when size.result_bytes <= ${inlineResultBytes}::bigint then result::text end as result
     from gateway.requests
-    cross join lateral (select octet_length(requests.result::text) as result_bytes offset 0) as size
+    cross join lateral (
+      select coalesce(requests.result_bytes, octet_length(requests.result::text)) as result_bytes offset 0
+    ) as size
     where id = any(${ids}::text[])
   `.execute(db);
   const byId = new Map(rows.map((row) => [row.id, row]));

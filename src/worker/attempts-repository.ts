@@ -169,6 +169,7 @@ export async function finishAttempts(
       update gateway.requests
       set status = outcomes.status,
           result = outcomes.result::json,
+          result_bytes = octet_length(outcomes.result),
           prompt_tokens = outcomes.prompt_tokens,
           completion_tokens = outcomes.completion_tokens,
           total_tokens = outcomes.total_tokens,
@@ -382,6 +383,7 @@ async function finishCompletions(db: Db, completions: readonly Completion[], rul
       update gateway.requests
       set status = 'completed',
           result = input.result::json,
+          result_bytes = octet_length(input.result),
           prompt_tokens = input.prompt_tokens,
           completion_tokens = input.completion_tokens,
           total_tokens = input.total_tokens,

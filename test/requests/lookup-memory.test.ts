@@ -32,9 +32,9 @@ t.test(`${REQUESTS} lookups at once of 4 MiB results: each answered whole, the A
   const ids = Array.from({ length: REQUESTS }, () => newRequestId());
   const padding = RESULT_BYTES - 64;
   // Compressed when stored (a run of one letter): the rows take little room, and each is still
-  // 4 MiB of JSON text once read. Making and compressing the 4 GB takes seconds of a core, more
-  // on a busy machine: written by SETUP_CONNECTIONS at once, and the pool's statement timeout
-  // does not apply to this setup.
+  // 4 MiB of JSON text once read. Each with its size, as the gateway stores a result. Making and
+  // compressing the 4 GB takes seconds of a core, more on a busy machine: written by
+  // SETUP_CONNECTIONS at once, and the pool's statement timeout does not apply to this setup.
   const setupStarted = performance.now();
   const share = Math.ceil(REQUESTS / SETUP_CONNECTIONS);
   await Promise.all(
@@ -45,12 +45,12 @@ t.test(`${REQUESTS} lookups at once of 4 MiB results: each answered whole, the A
         await client.query('set local statement_timeout = 0');
         await client.query(
           `insert into gateway.requests
-             (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, result, finished_at)
+             (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, result, result_bytes, finished_at)
            select ids.id, keys.project_id, keys.mode, keys.id, 'completed', 1, 'test-echo', '{}', sha256('{}'),
-                  ('{"id":"chatcmpl-' || ids.n + $4 || '","object":"chat.completion","choices":[],"padding":"'
-                   || repeat('x', $3) || '"}')::json,
-                  now()
-           from unnest($1::text[]) with ordinality as ids(id, n), gateway.api_keys as keys
+                  results.text::json, octet_length(results.text), now()
+           from unnest($1::text[]) with ordinality as ids(id, n), gateway.api_keys as keys,
+                lateral (select '{"id":"chatcmpl-' || ids.n + $4 || '","object":"chat.completion","choices":[],"padding":"'
+                                || repeat('x', $3) || '"}' as text) as results
            where keys.id = $2`,
           [ids.slice(part * share, (part + 1) * share), key.id, padding, part * share],
         );

@@ -3,6 +3,7 @@
 // its own row, result and all.
 import t from 'tap';
 import { newRequestId } from '../../src/ids.ts';
+import { findRequests } from '../../src/requests/read-repository.ts';
 import { createRequestReads } from '../../src/requests/reads.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 
@@ -53,4 +54,24 @@ t.test('small results are read with their requests, many to a statement; large o
   t.ok(reads.stats.statements <= 3, `${all.length} requests read in ${reads.stats.statements} statements`);
   const resultStatements = checkouts - reads.stats.statements;
   t.equal(resultStatements, 3, 'the 5 large results read apart, in 3 statements of 2 MiB at most');
+});
+
+t.test('a result is sized by the size stored with it, and one stored without a size by measuring it', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const [stored, measured] = [newRequestId(), newRequestId()];
+  const result = '{"id":"chatcmpl-1","choices":[]}';
+  // The same small result; the first row says it is 1 MiB, the second says nothing.
+  await gateway.pool.query(
+    `insert into gateway.requests (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, result, result_bytes, finished_at)
+     select ids.id, keys.project_id, keys.mode, keys.id, 'completed', 1, 'test-echo', '{}', sha256('{}'), $3::json, ids.bytes, now()
+     from unnest($1::text[], $4::int[]) as ids(id, bytes), gateway.api_keys as keys
+     where keys.id = $2`,
+    [[stored, measured], key.id, result, [MiB, null]],
+  );
+  const heads = await findRequests(gateway.db, [stored, measured], 4096);
+  t.match(heads, [
+    { id: stored, result_bytes: MiB, result: null },
+    { id: measured, result_bytes: result.length, result },
+  ], 'the first left out of its group as 1 MiB, the second measured and read with it');
 });

@@ -25,9 +25,10 @@ async function setUp(t: Test, lane: string) {
 
 const laneRow = async (pool: pg.Pool) => (await pool.query('select * from gateway.lanes')).rows[0] as Record<string, unknown>;
 const requestRows = async (pool: pg.Pool) =>
-  (await pool.query(`select requests.status, requests.total_tokens, requests.charged_attempts, request_attempts.outcome, request_attempts.charged
+  (await pool.query(`select requests.status, requests.total_tokens, requests.result_bytes, requests.charged_attempts, request_attempts.outcome, request_attempts.charged
                      from gateway.requests join gateway.request_attempts on request_attempts.request_id = requests.id order by requests.id`)).rows;
-const RECORDED = [1, 2].map(() => ({ status: 'completed', total_tokens: 80, charged_attempts: 0, outcome: 'succeeded', charged: null }));
+// (result_bytes: the size of '{"object":"chat.completion"}'.)
+const RECORDED = [1, 2].map(() => ({ status: 'completed', total_tokens: 80, result_bytes: 28, charged_attempts: 0, outcome: 'succeeded', charged: null }));
 
 t.test('completions on a lane with nothing to learn: their rows written, the lane left as it was', async (t) => {
   const { pool, db, completions } = await setUp(t, `health = 'healthy'`);
