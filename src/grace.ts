@@ -16,11 +16,14 @@ export const READ_GRACE_MS = 50;
  * has read what arrived meanwhile, and an answer, a reset or a close that came in time would
  * otherwise be thrown away as a timeout (undici reports a reset or a close a few turns of the event
  * loop after it is read). The second timer starts when the first fires, so the grace is counted
- * from the moment the process runs again. clearTimeout before `ms` is up stops it; an abort after
- * the work has landed changes nothing.
+ * from the moment the process runs again. Returns what stops it, whichever timer is pending: for
+ * work that has landed.
  */
-export function abortAfter(controller: AbortController, ms: number): NodeJS.Timeout {
-  return setTimeout(() => setTimeout(() => controller.abort(ABORTED_BY_TIMEOUT), READ_GRACE_MS), ms);
+export function abortAfter(controller: AbortController, ms: number): () => void {
+  let timer = setTimeout(() => {
+    timer = setTimeout(() => controller.abort(ABORTED_BY_TIMEOUT), READ_GRACE_MS);
+  }, ms);
+  return () => clearTimeout(timer);
 }
 
 export interface InFlight {

@@ -338,8 +338,9 @@ export type AdminCommand = (db: Db, context: AdminContext) => Promise<string>;
 
 /**
  * Runs one administrative command against the database and prints what it returns on `io.out`.
- * Logs go to `io.err`, so that standard output (for --json) carries only the answer. With DATABASE_URL unset, the
- * embedded Postgres under DATA_DIR is used (started for the command if it is not running).
+ * Logs go to `io.err`, so that standard output (for --json) carries only the answer. With
+ * DATABASE_URL unset, the embedded Postgres under DATA_DIR is used (started for the command if it
+ * is not running).
  * Unless it is `migrate` (`anySchema`), a command refuses a database whose schema is not this
  * code's, saying what to run, rather than failing on a table or column it does not find.
  */
@@ -348,7 +349,7 @@ export async function runAdminCommand(
   io: { out(text: string): void; err(text: string): void },
   command: AdminCommand,
   options: { anySchema?: boolean } = {},
-): Promise<0> {
+): Promise<void> {
   const logger = createLogger(
     { logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel },
     { write: (line: string) => io.err(line.replace(/\n$/, '')) },
@@ -359,7 +360,6 @@ export async function runAdminCommand(
   try {
     if (!options.anySchema) await assertSchemaCurrent(pool);
     io.out(await command(createDb(pool), { pool, logger, config: effective }));
-    return 0;
   } finally {
     await pool.end();
     await database.release();

@@ -7,7 +7,7 @@ import * as v from 'valibot';
 import { ConfigError, loadConfig } from '../config.ts';
 import { MigrationChangedError } from '../db/migrate.ts';
 import { MissingEncryptionKeyError } from '../keys/service.ts';
-import { isClusterChild, runAdminCommand, serveClusterChild } from '../main.ts';
+import { isClusterChild, runAdminCommand, serveClusterChild, type AdminCommand } from '../main.ts';
 import { UsageError } from './args.ts';
 import { parseKeysCommand } from './keys.ts';
 import { migrateCommand } from './migrate.ts';
@@ -91,6 +91,10 @@ export async function runCommandLine(argv: string[], io: CommandLineIo): Promise
 async function run(argv: string[], io: CommandLineIo): Promise<number> {
   const [command, ...rest] = argv;
   const config = loadConfig(io.env);
+  const admin = async (adminCommand: AdminCommand, options?: { anySchema?: boolean }) => {
+    await runAdminCommand(config, io, adminCommand, options);
+    return 0;
+  };
   if (isClusterChild()) {
     await serveClusterChild(config);
     return 0;
@@ -103,21 +107,21 @@ async function run(argv: string[], io: CommandLineIo): Promise<number> {
       await startCommand(config, rest);
       return 0;
     case 'migrate':
-      return runAdminCommand(config, io, migrateCommand, { anySchema: true });
+      return admin(migrateCommand, { anySchema: true });
     case 'keys':
-      return runAdminCommand(config, io, parseKeysCommand(rest));
+      return admin(parseKeysCommand(rest));
     case 'webhooks':
-      return runAdminCommand(config, io, parseWebhooksCommand(rest));
+      return admin(parseWebhooksCommand(rest));
     case 'request':
       return (await runRequestCommand(config, rest, io)) ? 0 : 1;
     case 'requests':
-      return runAdminCommand(config, io, parseRequestsCommand(rest));
+      return admin(parseRequestsCommand(rest));
     case 'stats':
-      return runAdminCommand(config, io, parseStatsCommand(rest));
+      return admin(parseStatsCommand(rest));
     case 'upstreams':
-      return runAdminCommand(config, io, parseUpstreamsCommand(rest));
+      return admin(parseUpstreamsCommand(rest));
     case 'usage':
-      return runAdminCommand(config, io, parseUsageCommand(rest));
+      return admin(parseUsageCommand(rest));
     case undefined:
     case 'help':
     case '--help':

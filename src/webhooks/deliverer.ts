@@ -463,10 +463,10 @@ export class WebhookDeliverer {
 
   #fly(message: ClaimedMessage, encryptionKeys: readonly Buffer[], slot: EndpointSlot, probe: boolean): void {
     const controller = new AbortController();
-    const timer = abortAfter(controller, this.#options.config.webhooks.timeoutMs);
+    const stopTimeout = abortAfter(controller, this.#options.config.webhooks.timeoutMs);
     slot.busy++;
     const done = this.#try(message, encryptionKeys, controller.signal, probe, slot).finally(() => {
-      clearTimeout(timer);
+      stopTimeout();
       this.#tries.delete(controller);
       slot.busy--;
       this.#roomMade(slot);

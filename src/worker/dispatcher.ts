@@ -382,10 +382,10 @@ export class Dispatcher {
 
   #fly(queueId: string, { target, limits }: Deployment, started: StartedAttempt): void {
     const controller = new AbortController();
-    const timer = abortAfter(controller, this.#options.upstreamTimeoutMs);
+    const stopTimeout = abortAfter(controller, this.#options.upstreamTimeoutMs);
     this.#inFlight[target.mode]++;
     const done = this.#options.attempts.run(target, started, controller.signal).finally(() => {
-      clearTimeout(timer);
+      stopTimeout();
       this.#calls.delete(started.id);
       this.#inFlight[target.mode]--;
       if (this.#stopping) return;
