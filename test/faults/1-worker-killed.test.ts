@@ -9,6 +9,7 @@
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { inBatches } from '../helpers/concurrency.ts';
+import { parseLine } from '../helpers/serve.ts';
 import { completionAfter, startFakeUpstream } from '../helpers/upstream.ts';
 import { call, spread, tally } from './support/client.ts';
 import { faultContext } from './support/context.ts';
@@ -20,6 +21,8 @@ import { privateContent } from './support/run.ts';
 const REQUESTS = 500;
 const MAX_ATTEMPTS = 5;
 const RECOVERY_BOUND_MS = 10_000;
+// What a worker logs once it has recorded an attempt lost with its worker (src/worker/attempts.ts).
+const LOST_RECORDED = 'attempt lost with its worker; recorded, and retried if it may be';
 
 t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt while another stands by, and restarted: all end, each recovered within 10 s, none run after it ended', async (t) => {
   // The provider holds every call until the kill, and answers at once after it.
@@ -78,7 +81,7 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt while
   );
   const lastBeat = Math.max(...beats.map((row) => row.last_seen_at.getTime()));
 
-  await faults.start('worker', { label: 'worker-restarted', env });
+  const restarted = await faults.start('worker', { label: 'worker-restarted', env });
   const restartedAfterMs = Date.now() - killedAt;
   const outcome = await waitUntilTerminal(faults.pool, ids, 60_000);
   const allEndedAfterMs = Date.now() - killedAt;
@@ -145,6 +148,18 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt while
     `the dead worker's last heartbeat ${beats.length > 0 ? `${killedAt - lastBeat} ms before the kill` : 'not found'}; ` +
       `the lost attempts recorded as worker_lost after it: ${spread(recorded)} (the killed worker started again ${restartedAfterMs} ms after it)`,
   );
+  // From the live workers' logs: when each recording of a lost attempt had committed (the rows
+  // above carry when its statement began), and what else they warned of after the kill.
+  for (const live of [standby, restarted]) {
+    const entries = live.lines.flatMap((line) => {
+      const entry = parseLine(line);
+      const at = typeof entry?.time === 'string' ? Date.parse(entry.time) : NaN;
+      return entry && at >= killedAt ? [{ msg: entry.msg, level: Number(entry.level), at }] : [];
+    });
+    const committed = entries.filter((entry) => entry.msg === LOST_RECORDED).map((entry) => entry.at - killedAt);
+    const warnings = tally(entries.filter((entry) => entry.level >= 40 && entry.msg !== LOST_RECORDED).map((entry) => String(entry.msg)));
+    t.comment(`${live.label}: recorded ${committed.length} lost attempts, committed ${spread(committed)} after the kill; its other warnings: ${warnings || 'none'}`);
+  }
   const standbyPrefix = `-${standbyPid}-`;
   const byWorker = tally(requests.flatMap((request) =>
     request.attempt_rows.filter((row) => row.attempt_number > 1).map((row) => (row.worker_id?.includes(standbyPrefix) ? 'standing by' : 'restarted')),

@@ -22,7 +22,7 @@ t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, ch
 });
 
 t.test('MAX_IN_FLIGHT holds while many lanes are dispatched at once: their claims never take the same room twice', async (t) => {
-  const upstream = await startFakeUpstream(t, completionAfter(500));
+  const upstream = await startFakeUpstream(t, completionAfter(250));
   const env = { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_IN_FLIGHT: '5', WORKER_CONCURRENCY: '16' };
   const api = await startTestGateway(t, { role: 'api', env });
   const client = clientFor(api.url, await api.createKey({ mode: 'live' }));
