@@ -3,7 +3,11 @@
 // clones the template into a database of its own (test/helpers/database.ts).
 //
 // tap runs in three rounds:
-// 1. the files that may run beside others, `tap.jobs` of them at once: short, and timing nothing;
+// 1. the files that may run beside others, `tap.jobs` of them at once: short, and timing nothing.
+//    Those of LEADING, which take a quarter of a minute or so, go in a tap run of their own with
+//    half of the jobs, beside a run of the rest with the other half: in one run, in the order of
+//    their paths, the last of them started near the round's end and held it up alone on a
+//    machine left half idle;
 // 2. the few that take a minute or more (LONG), all at once: an upstream down for two minutes at
 //    four requests a second, a webhook receiver down for thirty, a worker killed and waited for.
 //    Each waits far more than it computes: together they use about one of two cores. Beside
@@ -48,13 +52,30 @@ const LONG = [
   'test/worker/recording-outage.test.ts',
 ];
 
+/** Files of the first round that take a quarter of a minute or so: a run of their own (above). */
+const LEADING = [
+  'test/cli.test.ts',
+  'test/cluster.test.ts',
+  'test/http/held-contexts.test.ts',
+  'test/http/keep-alive.test.ts',
+  'test/keys/cache.test.ts',
+  'test/lanes/health.test.ts',
+  'test/outages/poison.test.ts',
+  'test/requests/insert-batcher.test.ts',
+  'test/webhooks/deliverer.test.ts',
+  'test/webhooks/end-to-end.test.ts',
+  'test/worker/lifecycle.test.ts',
+  'test/worker/prune.test.ts',
+  'test/worker/upstream-outcomes.test.ts',
+];
+
 /** Files of `tap.serial` that keep both cores busy: the last of the second round's (above). */
 const LOADED = ['test/faults/3-postgres-outage.test.ts', 'test/requests/lookup-memory.test.ts'];
 /** Files of `tap.serial` that nothing may run beside: the third round (above). */
 const ALONE = ['test/db/replanning.test.ts', 'test/faults/8-noisy-neighbour.test.ts'];
 
 const config = loadConfig();
-const tapConfig = (JSON.parse(readFileSync('package.json', 'utf8')) as { tap: { include: string[]; serial: string[] } }).tap;
+const tapConfig = (JSON.parse(readFileSync('package.json', 'utf8')) as { tap: { include: string[]; serial: string[]; jobs: number } }).tap;
 const logger = createLogger({ logLevel: 'warn' }, process.stderr);
 
 const server = await scriptPostgres(config, logger);
@@ -79,9 +100,20 @@ try {
   // go to every round; the other arguments name the files.
   const args = process.argv.slice(2);
   const options = args.filter((arg) => arg.startsWith('-'));
-  const { beside, long, serial, loaded, alone } = rounds(testFiles(args.filter((arg) => !arg.startsWith('-'))));
+  const { leading, beside, long, serial, loaded, alone } = rounds(testFiles(args.filter((arg) => !arg.startsWith('-'))));
   const codes = [];
-  if (beside.length > 0) codes.push((await runTap([...options, ...beside], env)).code);
+  if (leading.length > 0 && beside.length > 0) {
+    // Half of the jobs each; the second run's output is held, and printed once the first's ends.
+    const jobs = `--jobs=${Math.max(1, Math.floor(tapConfig.jobs / 2))}`;
+    const [first, second] = await Promise.all([
+      runTap([jobs, ...options, ...leading], env),
+      runTap([jobs, ...options, ...beside], env, { held: true }),
+    ]);
+    second.print();
+    codes.push(first.code, second.code);
+  } else if (leading.length + beside.length > 0) {
+    codes.push((await runTap([...options, ...leading, ...beside], env)).code);
+  }
   // The long files in one tap run, and beside it the serial ones in two after each other (tap
   // runs its files in the order of their paths). The serial runs' output is held and printed
   // once all have ended, so that no line is cut into another's.
@@ -128,8 +160,8 @@ function testFiles(args: readonly string[]): string[] {
   return [...new Set(files)].sort();
 }
 
-/** The files of each round: those that may run beside others; LONG's, and `tap.serial`'s but LOADED's and ALONE's, then LOADED's; ALONE's. */
-function rounds(files: readonly string[]): { beside: string[]; long: string[]; serial: string[]; loaded: string[]; alone: string[] } {
+/** The files of each round: LEADING's and the rest of those that may run beside others; LONG's, and `tap.serial`'s but LOADED's and ALONE's, then LOADED's; ALONE's. */
+function rounds(files: readonly string[]): { leading: string[]; beside: string[]; long: string[]; serial: string[]; loaded: string[]; alone: string[] } {
   const within = (entries: readonly string[], where: string) => {
     const prefixes = entries.map((entry) => {
       if (!existsSync(entry)) throw new Error(`${where} names ${entry}, which does not exist`);
@@ -138,6 +170,7 @@ function rounds(files: readonly string[]): { beside: string[]; long: string[]; s
     return (file: string) => prefixes.some((prefix) => (path.resolve(file) + path.sep).startsWith(prefix));
   };
   const isSerial = within(tapConfig.serial, 'tap.serial in package.json');
+  const isLeading = within(LEADING, 'LEADING in scripts/test.ts');
   const isLong = within(LONG, 'LONG in scripts/test.ts');
   const isLoaded = within(LOADED, 'LOADED in scripts/test.ts');
   const isAlone = within(ALONE, 'ALONE in scripts/test.ts');
@@ -145,8 +178,11 @@ function rounds(files: readonly string[]): { beside: string[]; long: string[]; s
     const outside = entries.find((entry) => !isSerial(entry));
     if (outside) throw new Error(`${name} in scripts/test.ts names ${outside}, which tap.serial in package.json does not`);
   }
+  const outside = LEADING.find((entry) => isSerial(entry) || isLong(entry));
+  if (outside) throw new Error(`LEADING in scripts/test.ts names ${outside}, which tap.serial or LONG names too`);
   return {
-    beside: files.filter((file) => !isLong(file) && !isSerial(file)),
+    leading: files.filter((file) => isLeading(file) && !isLong(file) && !isSerial(file)),
+    beside: files.filter((file) => !isLeading(file) && !isLong(file) && !isSerial(file)),
     long: files.filter((file) => isLong(file) && !isSerial(file)),
     serial: files.filter((file) => isSerial(file) && !isLoaded(file) && !isAlone(file)),
     loaded: files.filter((file) => isLoaded(file) && !isAlone(file)),
