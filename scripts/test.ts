@@ -4,10 +4,10 @@
 //
 // tap runs in three rounds:
 // 1. the files that may run beside others, `tap.jobs` of them at once: short, and timing nothing.
-//    Those of LEADING, which take a quarter of a minute or so, go in a tap run of their own with
-//    half of the jobs, beside a run of the rest with the other half: in one run, in the order of
-//    their paths, the last of them started near the round's end and held it up alone on a
-//    machine left half idle;
+//    Those of LEADING, the longest (12 to 60 s), about half of the round's time together, go in a
+//    tap run of their own with half of the jobs, beside a run of the rest with the other half: in
+//    one run, in the order of their paths, the last of them started near the round's end and held
+//    it up alone on a machine left half idle;
 // 2. the few that take a minute or more (LONG), all at once: an upstream down for two minutes at
 //    four requests a second, a webhook receiver down for thirty, a worker killed and waited for.
 //    Each waits far more than it computes: together they use about one of two cores. Beside
@@ -52,15 +52,13 @@ const LONG = [
   'test/worker/recording-outage.test.ts',
 ];
 
-/** Files of the first round that take a quarter of a minute or so: a run of their own (above). */
+/** The longest files of the first round, about half of its time: a run of their own (above). */
 const LEADING = [
-  'test/cli.test.ts',
   'test/cluster.test.ts',
+  'test/faults/5-hostile-input.test.ts',
   'test/http/held-contexts.test.ts',
-  'test/http/keep-alive.test.ts',
   'test/keys/cache.test.ts',
   'test/lanes/health.test.ts',
-  'test/outages/poison.test.ts',
   'test/requests/insert-batcher.test.ts',
   'test/webhooks/deliverer.test.ts',
   'test/webhooks/end-to-end.test.ts',
