@@ -405,7 +405,7 @@ async function finishCompletions(db: Db, completions: readonly Completion[], rul
 }
 
 /** An attempt left running by a worker that died. */
-export interface LostAttempt extends Pick<Selectable<RequestsTable>, 'id' | 'mode'> {
+export interface LostAttempt extends Pick<Selectable<RequestsTable>, 'id' | 'mode' | 'queue_id'> {
   attempt: Selectable<RequestAttemptsTable>['attempt_number'];
   /** Attempts charged to its request before this one. */
   charged: number;
@@ -426,7 +426,7 @@ export async function findLostAttempts(
 ): Promise<LostAttempt[]> {
   const { rows } = await sql<LostAttempt>`
     select request_attempts.request_id as id, request_attempts.attempt_number as attempt, requests.mode,
-           requests.charged_attempts as charged
+           requests.queue_id, requests.charged_attempts as charged
     from gateway.request_attempts
     join gateway.requests on requests.id = request_attempts.request_id
     where request_attempts.outcome = 'running'

@@ -91,8 +91,11 @@ export function retryDelay(
 export interface Attempts {
   /** Calls the upstream with no database connection held, then records the outcome. Never rejects. */
   run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<void>;
-  /** Records attempts whose worker died as worker_lost (and retries them, attempts left). */
-  recover(lost: readonly LostAttempt[]): Promise<void>;
+  /**
+   * Records attempts whose worker died as worker_lost, and retries them at once, attempts left:
+   * resolves with the queues of those it set retrying, for the caller to dispatch.
+   */
+  recover(lost: readonly LostAttempt[]): Promise<string[]>;
   /**
    * The shutdown's grace is over: outcomes still waiting for the database to record them are
    * given up after their current try, and so are those that come after.
@@ -215,13 +218,13 @@ export function createAttempts(deps: AttemptDeps): Attempts {
 
   /**
    * Records a failed attempt: the request is retried, or fails, as its fault and its lane's health
-   * decide. False when the attempt had ended already (another process recorded it first).
+   * decide. null when the attempt had ended already (another process recorded it first).
    */
   async function fail(
     started: Pick<StartedAttempt, 'id' | 'attempt' | 'charged'>,
     failure: { code: AttemptErrorCode; detail: string; upstreamStatus: number | null; durationMs: number | null; retryAfterMs?: number | undefined },
     patienceMs?: number,
-  ): Promise<boolean> {
+  ): Promise<Finished> {
     const { id, attempt } = started;
     const { retryAfterMs, ...report } = failure;
     const { retryable, fault } = ATTEMPT_ERRORS[failure.code];
@@ -239,7 +242,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     if (done === null) log.info(fields, 'attempt failed; its outcome was recorded already (or its request had ended)');
     else if (done.status === 'retrying') log.info({ ...fields, charged: done.charged }, 'attempt failed; retry scheduled');
     else log.info({ ...fields, charged: done.charged }, 'attempt failed; request failed');
-    return done !== null;
+    return done;
   }
 
   return {
@@ -247,6 +250,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     close: () => upstreams.close(),
     abandonRecordings: () => abandoning.abort(),
     async recover(lost) {
+      const due = new Set<string>();
       await Promise.all(
         lost.map(async (attempt) => {
           const failure = {
@@ -257,11 +261,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
           };
           // Every live worker sweeps when a dead one's heartbeat comes of age: the one that
           // records the attempt counts it.
-          if (!(await fail(attempt, failure, RECOVERY_PATIENCE_MS))) return;
+          const done = await fail(attempt, failure, RECOVERY_PATIENCE_MS);
+          if (done === null) return;
+          if (done.status === 'retrying' && attempt.queue_id !== null) due.add(attempt.queue_id);
           log.warn({ requestId: attempt.id, attempt: attempt.attempt }, 'attempt lost with its worker; recorded, and retried if it may be');
           deps.metrics.attempts.inc({ mode: attempt.mode, outcome: 'failed', code: 'worker_lost' });
         }),
       );
+      return [...due];
     },
   };
 }

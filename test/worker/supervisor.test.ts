@@ -292,6 +292,31 @@ t.test('a worker is found dead when its heartbeat reaches WORKER_DEAD_AFTER_MS, 
   await service.stop();
 });
 
+t.test('a lost attempt recorded by a sweep is attempted again at once by the worker that swept, not on its next poll for jobs', async (t) => {
+  // A poll for jobs every 20 s: the retry's dispatch job, due at the end of its quarter second,
+  // is not due yet when its notification comes, and would wait for the next poll.
+  const gateway = await startTestGateway(t, { role: 'api', env: { WORKER_POLL_INTERVAL_MS: '20000' } });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  const accepted = await client.post({ model: 'test-echo', messages: userMessage() });
+  const id = accepted.body.id as string;
+  await gateway.pool.query(`update gateway.requests set status = 'processing', attempts = 1, next_attempt_at = null where id = $1`, [id]);
+  const { logs } = await startWorkerIn(t, gateway);
+  await until(() => logs.some((line) => line.includes('worker pool started')), 'the worker pool started', 15_000);
+  // Its first poll is over: the attempt of a worker gone a minute ago appears now, for a sweep
+  // (every 1.4 s, WORKER_DEAD_AFTER_MS being 7 s) to find.
+  await sleep(500);
+  await gateway.pool.query(
+    `insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream, started_at) values ($1, 1, 'worker-gone', 'test', now() - interval '1 minute')`,
+    [id],
+  );
+  const row = await waitForRow(gateway.db, id, isTerminal, 30_000);
+  const [first, second] = await attemptRows(gateway.db, id);
+  t.match([first, second], [{ outcome: 'failed', error_code: 'worker_lost' }, { outcome: 'succeeded' }], 'recorded as worker_lost, then attempted again');
+  t.equal(row.status, 'completed', 'and completed');
+  const againAfterMs = second!.started_at.getTime() - first!.finished_at!.getTime();
+  t.ok(againAfterMs < 2_000, `attempted again ${againAfterMs} ms after the loss was recorded`);
+});
+
 t.test('two workers recovering the same lost attempt at once: one records it, counts it and retries it', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const client = clientFor(gateway.url, await gateway.createKey());
@@ -311,7 +336,7 @@ t.test('two workers recovering the same lost attempt at once: one records it, co
   const locker = await gateway.pool.connect();
   await locker.query('begin');
   await locker.query(`select from gateway.request_attempts where request_id = $1 for update`, [id]);
-  const lost = [{ id, attempt: 1, mode: 'test' as const, charged: 0 }];
+  const lost = [{ id, attempt: 1, mode: 'test' as const, queue_id: (await requestRow(gateway.db, id))!.queue_id, charged: 0 }];
   const recovered = Promise.all(workers.map((worker) => worker.attempts.recover(lost)));
   await until(async () => {
     const { rows } = await gateway.pool.query(
