@@ -401,6 +401,9 @@ t.test('at WEBHOOK_MAX_IN_FLIGHT a message waits without a job of its own, keepi
   receiver.release({ status: 204 });
   await until(async () => (await messagesOf(gateway.db)).every((message) => message.status === 'delivered'), 'all delivered, no job run');
   t.match(await messagesOf(gateway.db, second), [{ status: 'delivered', tries: 1 }], 'with its first try');
+  // The last try's room is given back once its recording has returned, a moment after the row
+  // says delivered: a wake before that would find no room.
+  await until(() => deliverer.inFlight === 0 && deliverer.inFlightTo(endpoint.id) === 0, 'the last try landed');
   t.same(await runDueJobs(), [], 'the wake job is not due yet');
   await gateway.pool.query(`update graphile_worker._private_jobs set run_at = now()`);
   t.same(await runDueJobs(), ['nothing'], 'when it runs, nothing waits any more');
