@@ -122,10 +122,12 @@ export interface QueueClaim {
   /** Requests that are due are still waiting in the queue. */
   waiting: boolean;
   /**
-   * When a lane has room again, if only time gives it (limits, a pause, a probe: a dispatch is
-   * scheduled for then); undefined when one has room now, or only finishing calls make room.
+   * How long from the claim until a lane has room again, if only time gives it (limits, a pause,
+   * a probe: a dispatch is scheduled for then), in milliseconds; undefined when one has room now,
+   * or only finishing calls make room. A span, not a time: the database's clock is not this
+   * process's.
    */
-  roomAt: Date | undefined;
+  roomInMs: number | undefined;
 }
 
 /** A lane of a queue's deployments, in the order they are preferred, with its limits. */
@@ -171,9 +173,10 @@ export async function claimQueue(
     lane_id: string | null;
     probe: boolean | null;
     waiting: boolean | null;
-    room_at: Date | null;
+    room_in_ms: number | null;
   }>`
-    select request_id, attempt, charged, body, lane_id, probe, waiting, room_at
+    select request_id, attempt, charged, body, lane_id, probe, waiting,
+           extract(epoch from room_at - now())::float8 * 1000 as room_in_ms
     from gateway.claim_queue(${queueId}::bigint, ${max}::int, ${workerId}::text,
                              ${lanes.map((lane) => lane.laneId)}::bigint[],
                              ${limit((limits) => limits.maxConcurrent)}::int[],
@@ -193,7 +196,7 @@ export async function claimQueue(
       body: row.body!,
     })),
     waiting: summary.waiting ?? false,
-    roomAt: summary.room_at ?? undefined,
+    roomInMs: summary.room_in_ms ?? undefined,
   };
 }
 

@@ -153,6 +153,14 @@ export class Dispatcher {
   #polling: NodeJS.Timeout | undefined;
   /** Checks of the calls' requests under way (#checkEnded), awaited by stop(). */
   readonly #checks = new Set<Promise<void>>();
+  /**
+   * Queues this process dispatches again when time gives one of their lanes room (their claims
+   * said when): when (performance.now()) and its timer, by queue id. The claim also added a
+   * dispatch job due then, for whichever worker fetches it; that fetch comes on a worker's next
+   * poll for jobs after it is due, up to WORKER_POLL_INTERVAL_MS late, and a lane paced by its
+   * limits would lose that much of its room each time it ran out.
+   */
+  readonly #wakes = new Map<string, { at: number; timer: NodeJS.Timeout }>();
 
   constructor(options: DispatcherOptions) {
     this.#options = options;
@@ -271,6 +279,8 @@ export class Dispatcher {
   async stop(): Promise<void> {
     this.#stopping = true;
     clearInterval(this.#polling);
+    for (const wake of this.#wakes.values()) clearTimeout(wake.timer);
+    this.#wakes.clear();
     await Promise.all([...this.#queues.values()].map((queue) => queue.loop));
     await landWithin(this.#options.graceMs, () => this.#calls.values(), () => this.#options.attempts.abandonRecordings());
     await Promise.all(this.#checks);
@@ -344,7 +354,8 @@ export class Dispatcher {
       const claim = await this.#claimAndStart(queue, route, Math.min(room, CLAIM_BATCH));
       // Done when nothing due is left, when time holds the rest back (a dispatch is scheduled
       // for when a lane has room), or when only ending calls make room.
-      if (!claim.waiting || claim.roomAt !== undefined || claim.started.length === 0) return;
+      if (claim.roomInMs !== undefined) this.#wakeIn(queue.id, claim.roomInMs);
+      if (!claim.waiting || claim.roomInMs !== undefined || claim.started.length === 0) return;
     }
   }
 
@@ -370,6 +381,22 @@ export class Dispatcher {
     } finally {
       this.#release(mode, reserved);
     }
+  }
+
+  /** Dispatches the queue again in `ms` (or sooner, if asked for sooner already). */
+  #wakeIn(queueId: string, ms: number): void {
+    if (this.#stopping) return;
+    const at = performance.now() + Math.max(0, ms);
+    const wake = this.#wakes.get(queueId);
+    if (wake && wake.at <= at) return;
+    if (wake) clearTimeout(wake.timer);
+    const timer = setTimeout(() => {
+      this.#wakes.delete(queueId);
+      this.poke(queueId);
+    }, at - performance.now());
+    // Nothing to keep a process alive for: a process that stops without stop() leaves the job.
+    timer.unref();
+    this.#wakes.set(queueId, { at, timer });
   }
 
   /** Gives back room reserved and not used: the queues that were waiting for room are dispatched. */
