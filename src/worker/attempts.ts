@@ -89,8 +89,11 @@ export function retryDelay(
 }
 
 export interface Attempts {
-  /** Calls the upstream with no database connection held, then records the outcome. Never rejects. */
-  run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<void>;
+  /**
+   * Calls the upstream with no database connection held, then records the outcome. Never rejects.
+   * Resolves with how long until the request's retry is due, when it recorded one.
+   */
+  run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<number | undefined>;
   /**
    * Records attempts whose worker died as worker_lost, and retries them at once, attempts left:
    * resolves with the queues of those it set retrying, for the caller to dispatch.
@@ -162,14 +165,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     }
   }
 
-  async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<void> {
+  async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<number | undefined> {
     const begun = performance.now();
     let outcome = await call(target, started, signal);
     const durationMs = Math.round(performance.now() - begun);
     if (signal.reason === ABORTED_AS_ENDED) {
       deps.metrics.attempts.inc({ mode: target.mode, outcome: 'cancelled', code: 'none' });
       log.debug({ requestId: started.id, attempt: started.attempt, durationMs }, 'call aborted: its request ended meanwhile');
-      return;
+      return undefined;
     }
     if (!outcome.ok && signal.reason === ABORTED_BY_SHUTDOWN) {
       outcome = { ok: false, code: 'worker_lost', detail: 'the worker shut down before the upstream answered', upstreamStatus: null };
@@ -193,13 +196,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
       } else {
         const { code, detail, upstreamStatus } = outcome;
-        await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs });
+        return (await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs }))?.retryInMs;
       }
     } catch (error) {
       // Abandoned at shutdown, or a failure that no retry mends: the attempt stays running in the
       // database, and the sweep recovers it as worker_lost.
       log.error({ requestId: started.id, err: errorSummary(error) }, 'could not record an attempt');
     }
+    return undefined;
   }
 
   async function call(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<AttemptOutcome> {
@@ -218,13 +222,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
 
   /**
    * Records a failed attempt: the request is retried, or fails, as its fault and its lane's health
-   * decide. null when the attempt had ended already (another process recorded it first).
+   * decide. null when the attempt had ended already (another process recorded it first); with a
+   * retry, how long until it is due (its backoff; an open lane's probe may come sooner).
    */
   async function fail(
     started: Pick<StartedAttempt, 'id' | 'attempt' | 'charged'>,
     failure: { code: AttemptErrorCode; detail: string; upstreamStatus: number | null; durationMs: number | null; retryAfterMs?: number | undefined },
     patienceMs?: number,
-  ): Promise<Finished> {
+  ): Promise<(NonNullable<Finished> & { retryInMs?: number }) | null> {
     const { id, attempt } = started;
     const { retryAfterMs, ...report } = failure;
     const { retryable, fault } = ATTEMPT_ERRORS[failure.code];
@@ -239,10 +244,16 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       : { kind: 'failed', id, attempt, pauseMs, fault, ...report };
     const done = await record(finish, patienceMs === undefined ? {} : { maxWaitMs: patienceMs });
     const fields = { requestId: id, attempt, code: failure.code };
-    if (done === null) log.info(fields, 'attempt failed; its outcome was recorded already (or its request had ended)');
-    else if (done.status === 'retrying') log.info({ ...fields, charged: done.charged }, 'attempt failed; retry scheduled');
-    else log.info({ ...fields, charged: done.charged }, 'attempt failed; request failed');
-    return done;
+    if (done === null) {
+      log.info(fields, 'attempt failed; its outcome was recorded already (or its request had ended)');
+      return null;
+    }
+    if (done.status !== 'retrying') {
+      log.info({ ...fields, charged: done.charged }, 'attempt failed; request failed');
+      return done;
+    }
+    log.info({ ...fields, charged: done.charged }, 'attempt failed; retry scheduled');
+    return { ...done, retryInMs: done.charged ? delayMs : unchargedDelayMs };
   }
 
   return {

@@ -52,7 +52,7 @@ import {
   type StartedAttempt,
   type StartReservation,
 } from '../lanes/repository.ts';
-import { findEnded } from './attempts-repository.ts';
+import { findEnded, RETRY_SLOT_MS } from './attempts-repository.ts';
 import { deploymentsOf, hasNoLimits, modelLabel, NO_LIMITS, SIMULATOR, upstreamModel, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
@@ -155,12 +155,13 @@ export class Dispatcher {
   readonly #checks = new Set<Promise<void>>();
   /**
    * Queues this process dispatches again when time gives one of their lanes room (their claims
-   * said when): when (performance.now()) and its timer, by queue id. The claim also added a
-   * dispatch job due then, for whichever worker fetches it; that fetch comes on a worker's next
-   * poll for jobs after it is due, up to WORKER_POLL_INTERVAL_MS late, and a lane paced by its
-   * limits would lose that much of its room each time it ran out.
+   * said when) or a retry it recorded comes due: a timer by queue and slot (#wakeIn). A dispatch
+   * job due then was added too, for whichever worker fetches it; that fetch comes on a worker's
+   * next poll for jobs after it is due (its notification came when it was added), up to
+   * WORKER_POLL_INTERVAL_MS late: a lane paced by its limits would lose that much of its room
+   * each time it ran out, and a retry would wait that much longer than its backoff.
    */
-  readonly #wakes = new Map<string, { at: number; timer: NodeJS.Timeout }>();
+  readonly #wakes = new Map<string, NodeJS.Timeout>();
 
   constructor(options: DispatcherOptions) {
     this.#options = options;
@@ -279,7 +280,7 @@ export class Dispatcher {
   async stop(): Promise<void> {
     this.#stopping = true;
     clearInterval(this.#polling);
-    for (const wake of this.#wakes.values()) clearTimeout(wake.timer);
+    for (const timer of this.#wakes.values()) clearTimeout(timer);
     this.#wakes.clear();
     await Promise.all([...this.#queues.values()].map((queue) => queue.loop));
     await landWithin(this.#options.graceMs, () => this.#calls.values(), () => this.#options.attempts.abandonRecordings());
@@ -383,20 +384,22 @@ export class Dispatcher {
     }
   }
 
-  /** Dispatches the queue again in `ms` (or sooner, if asked for sooner already). */
+  /**
+   * Dispatches the queue again in `ms`, at the end of its slot of RETRY_SLOT_MS: one timer per
+   * queue and slot, however many retries and claims ask for it.
+   */
   #wakeIn(queueId: string, ms: number): void {
     if (this.#stopping) return;
-    const at = performance.now() + Math.max(0, ms);
-    const wake = this.#wakes.get(queueId);
-    if (wake && wake.at <= at) return;
-    if (wake) clearTimeout(wake.timer);
+    const slot = Math.ceil((Date.now() + Math.max(0, ms)) / RETRY_SLOT_MS);
+    const key = `${queueId}:${slot}`;
+    if (this.#wakes.has(key)) return;
     const timer = setTimeout(() => {
-      this.#wakes.delete(queueId);
+      this.#wakes.delete(key);
       this.poke(queueId);
-    }, at - performance.now());
-    // Nothing to keep a process alive for: a process that stops without stop() leaves the job.
+    }, slot * RETRY_SLOT_MS - Date.now());
+    // Nothing to keep a process alive for: a process that stops without stop() leaves the jobs.
     timer.unref();
-    this.#wakes.set(queueId, { at, timer });
+    this.#wakes.set(key, timer);
   }
 
   /** Gives back room reserved and not used: the queues that were waiting for room are dispatched. */
@@ -411,7 +414,11 @@ export class Dispatcher {
     const controller = new AbortController();
     const stopTimeout = abortAfter(controller, this.#options.upstreamTimeoutMs);
     this.#inFlight[target.mode]++;
-    const done = this.#options.attempts.run(target, started, controller.signal).finally(() => {
+    const running = this.#options.attempts.run(target, started, controller.signal);
+    // A retry it recorded: its queue is dispatched here when it is due (the dispatch job added
+    // for it is due then too, for whichever worker fetches it on its next poll).
+    void running.then((retryInMs) => retryInMs !== undefined && this.#wakeIn(queueId, retryInMs), () => {});
+    const done = running.finally(() => {
       stopTimeout();
       this.#calls.delete(started.id);
       this.#inFlight[target.mode]--;
