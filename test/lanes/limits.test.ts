@@ -167,25 +167,14 @@ t.test('one project\'s burst does not delay another project\'s requests behind i
 t.test('a 429 with retry-after silences the lane in both worker processes for that long', async (t) => {
   const setup = await setUp(t, { maxConcurrent: 4 }, 100);
   const key = await setup.key('paused');
-  // A request every 100 ms for 4.5 s: each wakes the lane through a job that either worker may
-  // fetch, so both run the lane before the 429 and after its pause. The 429 (retry-after 2)
-  // comes about a second in.
-  const waves: Promise<string[]>[] = [];
-  for (let wave = 0; wave < 45; wave++) {
-    if (wave === 10) setup.refuseNext(2);
-    waves.push(setup.submit(key, 1, `wave ${wave}`));
-    await new Promise((resolve) => setTimeout(resolve, 100));
-  }
-  const ids = (await Promise.all(waves)).flat();
-  await setup.finished(ids, 30_000);
-  const refused = setup.upstream.calls.find((call) => call.status === 429);
-  t.ok(refused, 'the upstream answered one 429');
-  const refusedAt = refused!.endedAt!;
-
-  // Calls already under way when the 429 came may still arrive in its first moments.
-  const during = setup.upstream.calls.filter((call) => call.arrivedAt > refusedAt + 150 && call.arrivedAt < refusedAt + 1_900);
-  t.equal(during.length, 0, 'no call reached the upstream during the retry-after');
-
+  // A request every 100 ms: each wakes the lane through a job that either worker may fetch, so
+  // both run the lane before the 429 and after its pause. Which worker fetches each is up to
+  // them, and on a busy machine one of them may fetch a few seconds' worth: the 429 (retry-after
+  // 2) comes once both have called, a second in at the earliest; then 3.5 s more of requests.
+  const ids: string[] = [];
+  const sending: Promise<void>[] = [];
+  const send = (wave: number) => sending.push(setup.submit(key, 1, `wave ${wave}`).then(([id]) => void (ids[wave] = id!)));
+  const pace = () => new Promise((resolve) => setTimeout(resolve, 100));
   // Which worker made each call: its request (by the message it carried), its attempt's worker.
   const workers = async (calls: typeof setup.upstream.calls) => {
     const attempts = await setup.api.db
@@ -199,16 +188,38 @@ t.test('a 429 with retry-after silences the lane in both worker processes for th
     };
     return new Set(calls.map((call) => workerOf(call.content))).size;
   };
+  let wave = 0;
+  for (; wave < 60; wave++) {
+    if (wave >= 10) {
+      await Promise.all(sending);
+      if ((await workers([...setup.upstream.calls])) === 2) break;
+    }
+    send(wave);
+    await pace();
+  }
+  setup.refuseNext(2);
+  for (const last = wave + 35; wave < last; wave++) {
+    send(wave);
+    await pace();
+  }
+  await Promise.all(sending);
+  await setup.finished(ids, 30_000);
+  const refused = setup.upstream.calls.find((call) => call.status === 429);
+  t.ok(refused, 'the upstream answered one 429');
+  const refusedAt = refused!.endedAt!;
+
+  // Calls already under way when the 429 came may still arrive in its first moments.
+  const during = setup.upstream.calls.filter((call) => call.arrivedAt > refusedAt + 150 && call.arrivedAt < refusedAt + 1_900);
+  t.equal(during.length, 0, 'no call reached the upstream during the retry-after');
+
   const before = () => setup.upstream.calls.filter((call) => call.arrivedAt < refusedAt);
   const after = () => setup.upstream.calls.filter((call) => call.arrivedAt >= refusedAt + 1_900);
   t.equal(await workers(before()), 2, 'both workers called the upstream before the 429');
-  // Which worker fetches each wake-up job is up to them, and on a busy machine one of them may
-  // fetch all of a few seconds' worth: a request more every 100 ms (50 at most) until both have
-  // called since the pause.
-  for (let wave = waves.length; wave < waves.length + 50 && (await workers(after())) < 2; wave++) {
+  // Likewise after its pause: a request more every 100 ms (50 at most) until both have called.
+  for (const last = wave + 50; wave < last && (await workers(after())) < 2; wave++) {
     ids.push(...(await setup.submit(key, 1, `wave ${wave}`)));
     await setup.finished(ids.slice(-1), 30_000);
-    await new Promise((resolve) => setTimeout(resolve, 100));
+    await pace();
   }
   t.equal(await workers(after()), 2, 'and both after its pause');
 
