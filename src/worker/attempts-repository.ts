@@ -35,8 +35,11 @@ export type Finish =
   | ({ kind: 'retry'; id: string; attempt: number; delayMs: number; unchargedDelayMs: number; pauseMs?: number | undefined } &
       AttemptFailure);
 
-/** What became of a finish: null when its attempt was no longer the request's running one (nothing changed). */
-export type Finished = { status: 'completed' | 'failed' | 'retrying'; charged: boolean | null } | null;
+/**
+ * What became of a finish: null when its attempt was no longer the request's running one (nothing
+ * changed); with a retry, how long until it is due (from the statement's time).
+ */
+export type Finished = { status: 'completed' | 'failed' | 'retrying'; charged: boolean | null; retryInMs?: number } | null;
 
 /** A lane whose health a group of finishes changed. */
 export interface LaneChange {
@@ -96,6 +99,7 @@ export async function finishAttempts(
   const { rows } = await sql<{
     status: 'completed' | 'failed' | 'retrying' | null;
     charged: boolean | null;
+    retry_in_ms: number | null;
     lane_changes: { lane_id: string; upstream: string; model: string; from: LaneChange['from']; to: LaneChange['to']; last_error: string | null }[];
   }>`
     with input as (
@@ -313,7 +317,9 @@ export async function finishAttempts(
     )
     -- An attempt whose request this statement did not update was recorded by another first
     -- (read as running, then found ended once its lock was free): null, as a stale one.
-    select case when finished.id is not null then outcomes.status end as status, outcomes.charged, changes.list as lane_changes
+    select case when finished.id is not null then outcomes.status end as status, outcomes.charged,
+           extract(epoch from finished.next_attempt_at - now())::float8 * 1000 as retry_in_ms,
+           changes.list as lane_changes
     from input
     cross join queued
     cross join changes
@@ -322,7 +328,11 @@ export async function finishAttempts(
     order by input.ord
   `.execute(db);
   return {
-    finished: rows.map((row) => (row.status === null ? null : { status: row.status, charged: row.charged })),
+    finished: rows.map((row) =>
+      row.status === null
+        ? null
+        : { status: row.status, charged: row.charged, ...(row.retry_in_ms === null ? {} : { retryInMs: row.retry_in_ms }) },
+    ),
     laneChanges: (rows[0]?.lane_changes ?? []).map((change) => ({
       laneId: change.lane_id,
       upstream: change.upstream,

@@ -222,14 +222,13 @@ export function createAttempts(deps: AttemptDeps): Attempts {
 
   /**
    * Records a failed attempt: the request is retried, or fails, as its fault and its lane's health
-   * decide. null when the attempt had ended already (another process recorded it first); with a
-   * retry, how long until it is due (its backoff; an open lane's probe may come sooner).
+   * decide. null when the attempt had ended already (another process recorded it first).
    */
   async function fail(
     started: Pick<StartedAttempt, 'id' | 'attempt' | 'charged'>,
     failure: { code: AttemptErrorCode; detail: string; upstreamStatus: number | null; durationMs: number | null; retryAfterMs?: number | undefined },
     patienceMs?: number,
-  ): Promise<(NonNullable<Finished> & { retryInMs?: number }) | null> {
+  ): Promise<Finished> {
     const { id, attempt } = started;
     const { retryAfterMs, ...report } = failure;
     const { retryable, fault } = ATTEMPT_ERRORS[failure.code];
@@ -244,16 +243,10 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       : { kind: 'failed', id, attempt, pauseMs, fault, ...report };
     const done = await record(finish, patienceMs === undefined ? {} : { maxWaitMs: patienceMs });
     const fields = { requestId: id, attempt, code: failure.code };
-    if (done === null) {
-      log.info(fields, 'attempt failed; its outcome was recorded already (or its request had ended)');
-      return null;
-    }
-    if (done.status !== 'retrying') {
-      log.info({ ...fields, charged: done.charged }, 'attempt failed; request failed');
-      return done;
-    }
-    log.info({ ...fields, charged: done.charged }, 'attempt failed; retry scheduled');
-    return { ...done, retryInMs: done.charged ? delayMs : unchargedDelayMs };
+    if (done === null) log.info(fields, 'attempt failed; its outcome was recorded already (or its request had ended)');
+    else if (done.status === 'retrying') log.info({ ...fields, charged: done.charged }, 'attempt failed; retry scheduled');
+    else log.info({ ...fields, charged: done.charged }, 'attempt failed; request failed');
+    return done;
   }
 
   return {

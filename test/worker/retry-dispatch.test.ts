@@ -23,7 +23,11 @@ t.test('40 retries after 429s, due within 100 ms of each other: one dispatch job
   // Two statements, as two groups of finishes would come: the second finds the first's jobs.
   const first = await finishAttempts(db, ids.slice(0, 20).map(retry), SETTINGS);
   const second = await finishAttempts(db, ids.slice(20).map(retry), SETTINGS);
-  t.same([...first.finished, ...second.finished], ids.map(() => ({ status: 'retrying', charged: false })), 'all retrying, none charged');
+  t.same(
+    [...first.finished, ...second.finished],
+    ids.map((_, index) => ({ status: 'retrying', charged: false, retryInMs: 10_000 + (index % 20) * 5 })),
+    'all retrying, none charged, each due after its uncharged backoff',
+  );
 
   const { rows } = await pool.query<{ next_attempt_at: Date }>(`select next_attempt_at from gateway.requests order by id`);
   const slots = new Set(rows.map((row) => Math.ceil(row.next_attempt_at.getTime() / RETRY_SLOT_MS)));
