@@ -1,7 +1,6 @@
 // The gateway command line (docs/cli.md) against a database; its exit codes and streams also as a
 // process of its own.
 import { createHash, randomBytes } from 'node:crypto';
-import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import t from 'tap';
 import { listMigrations } from '../src/db/migrate.ts';
@@ -9,7 +8,8 @@ import { mayBeIssuedApiKey } from '../src/ids.ts';
 import { runCli, runCliProcess } from './helpers/cli.ts';
 import { adminQuery, createTestDatabase, urlForDatabase } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
-import { clientFor, userMessage } from './helpers/http.ts';
+import { clientFor, userMessage, type Answer } from './helpers/http.ts';
+import { waitFor } from './helpers/wait.ts';
 
 async function adminRows(url: string, query: string): Promise<Record<string, unknown>[]> {
   let rows: Record<string, unknown>[] = [];
@@ -127,12 +127,10 @@ t.test('keys create, list and revoke', async (t) => {
   t.equal(revoked.code, 0, revoked.stderr);
   t.match(revoked.stdout, new RegExp(`Revoked key ${key.id}`));
   // The API process hears of it by NOTIFY, a moment after the revocation's commit.
-  let refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
-  for (const deadline = Date.now() + 5_000; refused.status !== 401 && Date.now() < deadline; await sleep(10)) {
-    refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() });
-  }
-  t.equal(refused.status, 401);
-  t.equal(refused.body.error?.code, 'invalid_api_key');
+  let refused: Answer | undefined;
+  await waitFor(async () => (refused = await clientFor(service.url, key).post({ model: 'm', messages: userMessage() })).status === 401, 5_000, 10);
+  t.equal(refused?.status, 401);
+  t.equal(refused?.body.error?.code, 'invalid_api_key');
 
   const unknown = await runCli(['keys', 'revoke', 'key_doesnotexist000000'], env);
   t.equal(unknown.code, 1);

@@ -11,7 +11,7 @@ import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
 import { spawnServe } from '../helpers/serve.ts';
 import { completionAfter, rateLimited, startFakeUpstream, type FakeUpstream, type Limits } from '../helpers/upstream.ts';
-import { until } from '../helpers/wait.ts';
+import { until, waitFor } from '../helpers/wait.ts';
 
 interface Setup {
   api: TestGateway;
@@ -65,6 +65,16 @@ async function setUp(t: Test, limits: Limits, delayMs: number): Promise<Setup> {
   for (const worker of [spawnServe(t, env, ['--role', 'worker']), spawnServe(t, env, ['--role', 'worker'])]) {
     await until(() => worker.output().includes('worker pool started'), () => `a worker process:\n${worker.output()}`, 15_000);
   }
+  /** When each of the requests `ids` that have finished by now finished (ms since the epoch). */
+  const finishedSoFar = async (ids: string[]) => {
+    const rows = await api.db
+      .selectFrom('requests')
+      .select(['id', 'finished_at'])
+      .where('id', 'in', ids)
+      .where('finished_at', 'is not', null)
+      .execute();
+    return new Map(rows.map((row) => [row.id, row.finished_at!.getTime()]));
+  };
   return {
     api,
     upstream,
@@ -81,34 +91,14 @@ async function setUp(t: Test, limits: Limits, delayMs: number): Promise<Setup> {
       return answers.map((answer) => answer.body.id as string);
     },
     async finished(ids, timeoutMs) {
-      let rows: { id: string; status: string; finished_at: Date | null }[] = [];
-      let debugState = '';
-      await until(
-        async () => {
-          rows = await api.db
-            .selectFrom('requests')
-            .select(['id', 'status', 'finished_at'])
-            .where('id', 'in', ids)
-            .execute();
-          const lanes = (await api.pool.query('select * from gateway.lanes')).rows;
-          const jobs = (await api.pool.query('select id, task_identifier, run_at, locked_at, locked_by, key, attempts, last_error from graphile_worker.jobs')).rows;
-          debugState = JSON.stringify({ now: new Date(), lanes, jobs, statuses: rows.map((r) => r.status) });
-          return rows.every((row) => row.finished_at !== null);
-        },
-        () => `all ${ids.length} finished; ${rows.filter((row) => row.finished_at === null).length} not yet; DEBUG ${debugState}`,
-        timeoutMs,
-      );
-      return new Map(rows.map((row) => [row.id, row.finished_at!.getTime()]));
+      let ended = new Map<string, number>();
+      if (await waitFor(async () => (ended = await finishedSoFar(ids)).size === ids.length, timeoutMs)) return ended;
+      // What a reader of the failure needs, read once.
+      const lanes = (await api.pool.query('select * from gateway.lanes')).rows;
+      const jobs = (await api.pool.query('select id, task_identifier, run_at, locked_at, locked_by, key, attempts, last_error from graphile_worker.jobs')).rows;
+      throw new Error(`timed out waiting: all ${ids.length} finished; ${ids.length - ended.size} not yet; lanes ${JSON.stringify(lanes)}; jobs ${JSON.stringify(jobs)}`);
     },
-    async finishedSoFar(ids) {
-      const rows = await api.db
-        .selectFrom('requests')
-        .select(['id', 'finished_at'])
-        .where('id', 'in', ids)
-        .where('finished_at', 'is not', null)
-        .execute();
-      return new Map(rows.map((row) => [row.id, row.finished_at!.getTime()]));
-    },
+    finishedSoFar,
   };
 }
 
