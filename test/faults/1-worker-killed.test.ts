@@ -158,7 +158,7 @@ t.test('500 requests in flight, the worker killed with SIGKILL mid-attempt while
     });
     const committed = entries.filter((entry) => entry.msg === LOST_RECORDED).map((entry) => entry.at - killedAt);
     const warnings = tally(entries.filter((entry) => entry.level >= 40 && entry.msg !== LOST_RECORDED).map((entry) => String(entry.msg)));
-    t.comment(`${live.label}: recorded ${committed.length} lost attempts, committed ${spread(committed)} after the kill; its other warnings: ${warnings || 'none'}`);
+    t.comment(`${live.label}: recorded ${committed.length} lost attempts, committed ${spread(committed)} after the kill; its other warnings: ${warnings}`);
   }
   const standbyPrefix = `-${standbyPid}-`;
   const byWorker = tally(requests.flatMap((request) =>
