@@ -31,6 +31,50 @@ export function createLogger(
         censor: '[redacted]',
       },
     },
-    destination ?? pino.destination({ dest: 1, sync: true }),
+    destination ?? standardOutput(),
   );
 }
+
+/** Above this, what a turn logged is written at once rather than at the turn's end. */
+const TURN_BYTES = 1 << 20;
+
+/**
+ * Standard output, written once per turn of the event loop: the lines logged in one turn go out
+ * together at its end, in one write. A flood of refused requests logs dozens of lines a turn, and
+ * each write is a system call that also wakes whatever reads the logs. The write is synchronous
+ * and in order; nothing logged waits past the end of its turn (so a line is out before the
+ * process next waits for anything), and what the last turn logged is written when the process
+ * exits, whatever the reason.
+ */
+export class TurnBatchedOutput implements pino.DestinationStream {
+  readonly #out: pino.DestinationStream;
+  #pending = '';
+  #scheduled = false;
+
+  constructor(out: pino.DestinationStream) {
+    this.#out = out;
+    process.on('exit', () => this.flush());
+  }
+
+  write(line: string): void {
+    this.#pending += line;
+    if (this.#pending.length >= TURN_BYTES) this.flush();
+    else if (!this.#scheduled) {
+      this.#scheduled = true;
+      setImmediate(() => this.flush());
+    }
+  }
+
+  /** Writes what is pending now. */
+  flush(): void {
+    this.#scheduled = false;
+    if (this.#pending === '') return;
+    const text = this.#pending;
+    this.#pending = '';
+    this.#out.write(text);
+  }
+}
+
+let stdout: TurnBatchedOutput | undefined;
+/** The process's one standard output for logs, shared by every logger it creates. */
+const standardOutput = () => (stdout ??= new TurnBatchedOutput(pino.destination({ dest: 1, sync: true })));
