@@ -56,7 +56,8 @@
 // The load generators, the provider and B's receiver run in threads of their own (see
 // support/neighbour.ts), and every figure a reader needs to judge the result is printed: B's
 // latencies per phase and mode, B's webhook lag, A's answers per attack, the rows stored, and
-// where the CPU, Postgres's time and the gateway's pools went in each phase.
+// where the CPU, Postgres's time and the gateway's pools went in each phase, and how long the
+// disk kept processes waiting (a slow WAL flush stalls every commit, in any phase).
 import { availableParallelism } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
@@ -69,6 +70,7 @@ import {
   ATTACK_RATES,
   ATTACKS,
   countBy,
+  DiskWaits,
   formatCounts,
   machineCpuSeconds,
   metricBy,
@@ -336,6 +338,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
 
   // The run.
   const mainMeter = new ThreadMeter(schedule);
+  const diskWaits = new DiskWaits(schedule);
   await provider.ask('measure', schedule);
   const tenantRun = tenant.ask<{ calls: TenantCall[]; meter: Partial<Record<Phase, ThreadPhase>> }>('run', {
     apiUrl: api.url!,
@@ -353,6 +356,7 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   samplingDone = true;
   await Promise.all([activityLoop, gaugeLoop]);
   mainMeter.stop();
+  diskWaits.stop();
   const providerStats = await provider.ask<ProviderStats>('stats');
 
   // Drain: every request of B ends, and each of its events reaches the receiver.
@@ -521,6 +525,10 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       `${phase}: event-loop delay (the gateway's includes its 10 ms resolution): api p99 (per second) mean ${mean(s.apiLagP99)} ms, max ${max(s.apiLagMax)} ms; worker p99 mean ${mean(s.workerLagP99)} ms, max ${max(s.workerLagMax)} ms; ` +
         `test threads: ${threadLag('tenant')}, ${threadLag('attacker')}, ${threadLag('provider')}, ${threadLag('main')}`,
     );
+    const disk = diskWaits.phases[phase];
+    if (disk) {
+      t.comment(`${phase}: the disk: a process of the machine waited on it in ${disk.blocked} of ${disk.looks} looks (20 ms apart), at most ${disk.longestMs} ms in a row`);
+    }
     t.comment(`${phase}: api open file descriptors (its clients' connections, mostly) max ${max(s.apiOpenFds)}; api pool in use max ${max(s.apiPoolInUse)} (mean ${mean(s.apiPoolInUse)}), callers waiting for a connection max ${max(s.apiPoolWaiting)} (mean ${mean(s.apiPoolWaiting)}); worker pool waiting max ${max(s.workerPoolWaiting)}`);
     const means = (activity: Samples['activity'], which: 'waits' | 'statements', top: number) =>
       Object.entries(activity[which])

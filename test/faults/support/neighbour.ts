@@ -737,6 +737,62 @@ export function machineCpuSeconds(): { busy: number; all: number } {
   return { busy: (all - values[3]! - values[4]!) / ticksPerSecond, all: all / ticksPerSecond };
 }
 
+/** What DiskWaits saw in one phase. */
+export interface DiskPhase {
+  looks: number;
+  /** Looks that found a process of the machine waiting on the disk. */
+  blocked: number;
+  /** The longest run of such looks, from the first to the first look after it that found none (ms). */
+  longestMs: number;
+}
+
+/**
+ * Looks every 20 ms at how many processes of the machine wait on the disk (procs_blocked in
+ * /proc/stat), phase by phase. A commit waits for its WAL's flush, so a slow flush stalls every
+ * commit behind it, whoever's: on this kind of machine, flushes that take hundreds of
+ * milliseconds come and go with no load at all, and a phase that meets one has a slower p99 for
+ * it. A look is of the whole machine: the other processes' waits (a page read) are counted too,
+ * and are short.
+ */
+export class DiskWaits {
+  readonly phases: Partial<Record<Phase, DiskPhase>> = {};
+  readonly #schedule: Schedule;
+  readonly #timer: NodeJS.Timeout;
+  #spell: { since: number; phase: Phase } | undefined;
+
+  constructor(schedule: Schedule) {
+    this.#schedule = schedule;
+    this.#timer = setInterval(() => this.#look(), 20);
+  }
+
+  #look(): void {
+    const now = Date.now();
+    const phase = phaseAt(this.#schedule, now);
+    let blocked = 0;
+    try {
+      blocked = Number(/^procs_blocked (\d+)$/m.exec(readFileSync('/proc/stat', 'latin1'))?.[1] ?? 0);
+    } catch {
+      return; // (not Linux: nothing to report)
+    }
+    if (phase) {
+      const seen = (this.phases[phase] ??= { looks: 0, blocked: 0, longestMs: 0 });
+      seen.looks++;
+      if (blocked > 0) seen.blocked++;
+    }
+    if (blocked > 0) {
+      if (!this.#spell && phase) this.#spell = { since: now, phase };
+    } else if (this.#spell) {
+      const seen = this.phases[this.#spell.phase]!;
+      seen.longestMs = Math.max(seen.longestMs, now - this.#spell.since);
+      this.#spell = undefined;
+    }
+  }
+
+  stop(): void {
+    clearInterval(this.#timer);
+  }
+}
+
 /** A process's /metrics, as a map from "name{labels}" to value. */
 export async function scrape(url: string): Promise<Map<string, number>> {
   return parseMetrics(await (await fetch(url, { signal: AbortSignal.timeout(5_000) })).text());
