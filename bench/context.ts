@@ -3,6 +3,7 @@
 // signer for the test key, and CPU accounting of its measured window.
 import path from 'node:path';
 import type pg from 'pg';
+import { formatDiskWaits } from '../scripts/disk-waits.ts';
 import { CpuMeter, formatShares, type CpuShares } from './cpu.ts';
 import { GatewayProcess, type Role } from './gateway.ts';
 import { summarizeProfiles } from './profile.ts';
@@ -147,9 +148,13 @@ export class PhaseContext {
   }
 }
 
+/** A wait on the disk this long marks a window's latencies as the disk's (a flush takes about 0.2 ms here when the disk is well). */
+const DISK_STALL_MS = 100;
+
 /**
- * "CPU in cores: ..." with a warning when something outside the benchmark was busy; with the
- * rate of requests over the same window, also the CPU each request cost the gateway and Postgres.
+ * "CPU in cores: ..." with a warning when something outside the benchmark was busy, or the disk
+ * stalled; with the rate of requests over the same window, also the CPU each request cost the
+ * gateway and Postgres.
  */
 export function cpuLine(shares: CpuShares, requestsPerSecond?: number): string {
   let line = formatShares(shares);
@@ -157,10 +162,14 @@ export function cpuLine(shares: CpuShares, requestsPerSecond?: number): string {
     const micros = (cores: number) => Math.round((cores / requestsPerSecond) * 1e6);
     line += `; per request: gateway ${micros(shares.cores.gateway)} µs, postgres ${micros(shares.cores.postgres)} µs, load generator ${micros(shares.cores.generator)} µs of CPU`;
   }
+  if (shares.disk) line += `; ${formatDiskWaits(shares.disk)}`;
   // This machine's own services (a message broker, the VM's agent, ...) take about 0.1 core.
   if (shares.cores.other > 0.25) {
     const who = shares.others.map((other) => `${other.name} ${other.cores.toFixed(2)}`).join(', ');
     return `${line}  ** NOISY: other processes used ${shares.cores.other.toFixed(2)} cores (${who || 'short-lived processes'}); rerun on a quiet machine **`;
+  }
+  if (shares.disk && shares.disk.longestMs >= DISK_STALL_MS) {
+    return `${line}  ** DISK STALL: a process waited ${shares.disk.longestMs} ms on the disk; every commit waits behind such a flush, so this window's latencies include it: rerun **`;
   }
   if (shares.cores.generator > 0.8) return `${line}  ** the load generator is near one full core: it may be the limit **`;
   return line;

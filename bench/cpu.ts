@@ -9,6 +9,7 @@
 import { execFileSync } from 'node:child_process';
 import { readdirSync, readFileSync } from 'node:fs';
 import { isMainThread, parentPort, Worker } from 'node:worker_threads';
+import { DISK_LOOK_MS, DiskWaitTally, processesWaitingOnDisk, type DiskWaitFigures } from '../scripts/disk-waits.ts';
 
 export type CpuClass = 'generator' | 'gateway' | 'postgres' | 'other';
 
@@ -18,6 +19,8 @@ export interface CpuShares {
   others: { name: string; cores: number }[];
   /** Cores used on average over the window, per class; `idle` is what was left of all cores. */
   cores: Record<CpuClass, number> & { idle: number; total: number };
+  /** How long processes of the machine waited on the disk in the window (undefined: not Linux). */
+  disk: DiskWaitFigures | undefined;
 }
 
 interface ProcessTimes {
@@ -174,6 +177,7 @@ interface Window {
   before: Map<number, ProcessTimes>;
   /** The last reading of every process seen during the window (one that ended keeps its last). */
   latest: Map<number, ProcessTimes>;
+  disk: DiskWaitTally;
 }
 
 /** The worker thread: reads /proc while windows are open, and accounts each when it ends. */
@@ -182,26 +186,40 @@ function runSampler(port: NonNullable<typeof parentPort>): void {
   const databases = new Map<number, string>();
   let postmaster: number | undefined;
   let timer: NodeJS.Timeout | undefined;
+  let diskTimer: NodeJS.Timeout | undefined;
+  let diskLooks = false;
   const sample = () => {
     const now = readProcesses(postmaster, databases);
     for (const window of windows.values()) for (const [pid, times] of now) window.latest.set(pid, times);
+  };
+  const lookAtDisk = () => {
+    const waiting = processesWaitingOnDisk();
+    if (waiting === undefined) return;
+    diskLooks = true;
+    const now = performance.now();
+    for (const window of windows.values()) window.disk.add(now, waiting);
   };
 
   port.on('message', (request: Request) => {
     if (request.kind === 'begin') {
       postmaster = request.postmasterPid;
       const before = readProcesses(postmaster, databases);
-      windows.set(request.id, { startedAt: performance.now(), startTotals: readTotals(), before, latest: new Map(before) });
+      windows.set(request.id, { startedAt: performance.now(), startTotals: readTotals(), before, latest: new Map(before), disk: new DiskWaitTally() });
       timer ??= setInterval(sample, SAMPLE_INTERVAL_MS);
+      diskTimer ??= setInterval(lookAtDisk, DISK_LOOK_MS);
       return;
     }
     sample();
     const window = windows.get(request.id)!;
     windows.delete(request.id);
-    port.postMessage({ id: request.id, shares: account(window, request, postmaster) } satisfies Reply);
+    window.disk.close(performance.now());
+    const shares = { ...account(window, request, postmaster), disk: diskLooks ? window.disk.figures() : undefined };
+    port.postMessage({ id: request.id, shares } satisfies Reply);
     if (windows.size === 0) {
       clearInterval(timer);
+      clearInterval(diskTimer);
       timer = undefined;
+      diskTimer = undefined;
     }
   });
 }
@@ -210,7 +228,7 @@ function account(
   window: Window,
   request: Extract<Request, { kind: 'end' }>,
   postmaster: number | undefined,
-): CpuShares {
+): Omit<CpuShares, 'disk'> {
   const totals = readTotals();
   const seconds = (performance.now() - window.startedAt) / 1000;
   const hz = clockTicks();

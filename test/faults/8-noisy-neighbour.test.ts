@@ -61,6 +61,7 @@
 import { availableParallelism } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
+import { formatDiskWaits } from '../../scripts/disk-waits.ts';
 import { addEndpoint } from '../../src/webhooks/endpoints.ts';
 import type { CreatedKey } from '../../src/keys/service.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
@@ -525,10 +526,8 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
       `${phase}: event-loop delay (the gateway's includes its 10 ms resolution): api p99 (per second) mean ${mean(s.apiLagP99)} ms, max ${max(s.apiLagMax)} ms; worker p99 mean ${mean(s.workerLagP99)} ms, max ${max(s.workerLagMax)} ms; ` +
         `test threads: ${threadLag('tenant')}, ${threadLag('attacker')}, ${threadLag('provider')}, ${threadLag('main')}`,
     );
-    const disk = diskWaits.phases[phase];
-    if (disk) {
-      t.comment(`${phase}: the disk: a process of the machine waited on it in ${disk.blocked} of ${disk.looks} looks (20 ms apart), at most ${disk.longestMs} ms in a row`);
-    }
+    const disk = diskWaits.phase(phase);
+    if (disk) t.comment(`${phase}: ${formatDiskWaits(disk)}`);
     t.comment(`${phase}: api open file descriptors (its clients' connections, mostly) max ${max(s.apiOpenFds)}; api pool in use max ${max(s.apiPoolInUse)} (mean ${mean(s.apiPoolInUse)}), callers waiting for a connection max ${max(s.apiPoolWaiting)} (mean ${mean(s.apiPoolWaiting)}); worker pool waiting max ${max(s.workerPoolWaiting)}`);
     const means = (activity: Samples['activity'], which: 'waits' | 'statements', top: number) =>
       Object.entries(activity[which])

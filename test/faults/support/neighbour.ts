@@ -20,6 +20,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { isMainThread, parentPort, Worker, workerData } from 'node:worker_threads';
 import type pg from 'pg';
 import { Agent, request } from 'undici';
+import { DISK_LOOK_MS, DiskWaitTally, processesWaitingOnDisk, type DiskWaitFigures } from '../../../scripts/disk-waits.ts';
 import { stringToSign } from '../../../src/client/signing.ts';
 import { randomBase62, REQUEST_ID } from '../../../src/ids.ts';
 import type { CreatedKey } from '../../../src/keys/service.ts';
@@ -737,59 +738,42 @@ export function machineCpuSeconds(): { busy: number; all: number } {
   return { busy: (all - values[3]! - values[4]!) / ticksPerSecond, all: all / ticksPerSecond };
 }
 
-/** What DiskWaits saw in one phase. */
-export interface DiskPhase {
-  looks: number;
-  /** Looks that found a process of the machine waiting on the disk. */
-  blocked: number;
-  /** The longest run of such looks, from the first to the first look after it that found none (ms). */
-  longestMs: number;
-}
-
 /**
- * Looks every 20 ms at how many processes of the machine wait on the disk (procs_blocked in
- * /proc/stat), phase by phase. A commit waits for its WAL's flush, so a slow flush stalls every
- * commit behind it, whoever's: on this kind of machine, flushes that take hundreds of
- * milliseconds come and go with no load at all, and a phase that meets one has a slower p99 for
- * it. A look is of the whole machine: the other processes' waits (a page read) are counted too,
- * and are short.
+ * How long processes of the machine waited on the disk, phase by phase (../../../scripts/disk-waits.ts
+ * says why it matters): a slow WAL flush stalls every commit, in any phase.
  */
 export class DiskWaits {
-  readonly phases: Partial<Record<Phase, DiskPhase>> = {};
   readonly #schedule: Schedule;
+  readonly #tallies = new Map<Phase, DiskWaitTally>();
   readonly #timer: NodeJS.Timeout;
-  #spell: { since: number; phase: Phase } | undefined;
+  #phase: Phase | undefined;
 
   constructor(schedule: Schedule) {
     this.#schedule = schedule;
-    this.#timer = setInterval(() => this.#look(), 20);
+    this.#timer = setInterval(() => this.#look(), DISK_LOOK_MS);
   }
 
   #look(): void {
+    const waiting = processesWaitingOnDisk();
+    if (waiting === undefined) return;
     const now = Date.now();
     const phase = phaseAt(this.#schedule, now);
-    let blocked = 0;
-    try {
-      blocked = Number(/^procs_blocked (\d+)$/m.exec(readFileSync('/proc/stat', 'latin1'))?.[1] ?? 0);
-    } catch {
-      return; // (not Linux: nothing to report)
-    }
-    if (phase) {
-      const seen = (this.phases[phase] ??= { looks: 0, blocked: 0, longestMs: 0 });
-      seen.looks++;
-      if (blocked > 0) seen.blocked++;
-    }
-    if (blocked > 0) {
-      if (!this.#spell && phase) this.#spell = { since: now, phase };
-    } else if (this.#spell) {
-      const seen = this.phases[this.#spell.phase]!;
-      seen.longestMs = Math.max(seen.longestMs, now - this.#spell.since);
-      this.#spell = undefined;
-    }
+    if (phase !== this.#phase && this.#phase) this.#tallies.get(this.#phase)!.close(now);
+    this.#phase = phase;
+    if (!phase) return;
+    let tally = this.#tallies.get(phase);
+    if (!tally) this.#tallies.set(phase, (tally = new DiskWaitTally()));
+    tally.add(now, waiting);
+  }
+
+  /** What it saw in `phase` (undefined: it could not look). */
+  phase(phase: Phase): DiskWaitFigures | undefined {
+    return this.#tallies.get(phase)?.figures();
   }
 
   stop(): void {
     clearInterval(this.#timer);
+    if (this.#phase) this.#tallies.get(this.#phase)!.close(Date.now());
   }
 }
 
