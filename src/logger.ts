@@ -35,8 +35,8 @@ export function createLogger(
   );
 }
 
-/** Above this, what a turn logged is written at once rather than at the turn's end. */
-const TURN_BYTES = 1 << 20;
+/** Above this many characters, what a turn logged is written at once rather than at the turn's end. */
+const TURN_CHARACTERS = 1 << 20;
 
 /**
  * Standard output, written once per turn of the event loop: the lines logged in one turn go out
@@ -44,7 +44,7 @@ const TURN_BYTES = 1 << 20;
  * each write is a system call that also wakes whatever reads the logs. The write is synchronous
  * and in order; nothing logged waits past the end of its turn (so a line is out before the
  * process next waits for anything), and what the last turn logged is written when the process
- * exits, whatever the reason.
+ * exits (process.exit, an uncaught exception; not when it is killed outright).
  */
 export class TurnBatchedOutput implements pino.DestinationStream {
   readonly #out: pino.DestinationStream;
@@ -58,7 +58,7 @@ export class TurnBatchedOutput implements pino.DestinationStream {
 
   write(line: string): void {
     this.#pending += line;
-    if (this.#pending.length >= TURN_BYTES) this.flush();
+    if (this.#pending.length >= TURN_CHARACTERS) this.flush();
     else if (!this.#scheduled) {
       this.#scheduled = true;
       setImmediate(() => this.flush());

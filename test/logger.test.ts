@@ -26,11 +26,11 @@ t.test('the lines logged in one turn are written together at its end, in order',
   t.same(writes.slice(1), ['{"n":4}\n'], "the next turn's line in a write of its own");
 });
 
-t.test('a turn that logs a megabyte or more writes it at once', async (t) => {
+t.test('a turn that logs 1,048,576 characters or more writes them at once', async (t) => {
   const { writes, output } = recorder();
   const line = `${'x'.repeat(64 * 1024)}\n`;
   for (let i = 0; i < 16; i++) output.write(line);
-  t.equal(writes.length, 1, 'written when the megabyte was reached');
+  t.equal(writes.length, 1, 'written when the 1,048,576th character was reached');
   t.equal(writes[0]!.length, 16 * line.length);
   output.write('{"after":true}\n');
   await nextTurn();
