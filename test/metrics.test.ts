@@ -80,7 +80,9 @@ t.test('the queue and the waiters, as they are', async (t) => {
   const client = clientFor(api.url, await api.createKey());
   for (let i = 0; i < 3; i++) await client.post({ model: 'test-echo', messages: userMessage() });
   const waiting = client.post({ model: 'test-echo', messages: userMessage(), wait: true });
-  await until(() => api.waiters!.size > 0, 'the request to wait');
+  // (A wait=true request is watched before its row is stored: the row is waited for too.)
+  const stored = async () => Number((await api.pool.query('select count(*) as count from gateway.requests')).rows[0].count);
+  await until(async () => api.waiters!.size > 0 && (await stored()) === 4, 'the request to be stored and wait');
   const m = await scrape(api.metricsUrl);
   t.equal(m.get('gateway_requests{status="queued",mode="test"}'), 4, 'no worker: four queued');
   t.equal(m.get('gateway_requests{status="processing",mode="test"}'), 0);
