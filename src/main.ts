@@ -152,6 +152,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         inserts: new InsertBatcher(db, {
           maxInFlight: 2,
           onGroup: (size) => metrics.insertGroupSize.observe(size),
+          onDone: (seconds) => metrics.durableWrites.observe({ write: 'accept' }, seconds),
           // This process's dispatcher takes what it accepts at once; the jobs are its fallback.
           ...(dispatcher ? { dispatchDelayMs: OWN_DISPATCH_FALLBACK_MS } : {}),
         }),

@@ -60,6 +60,12 @@ t.test('each metric family counts what happened', async (t) => {
   t.equal(value('gateway_upstream_duration_seconds_count{mode="test",outcome="succeeded"}'), 2);
   t.equal(value('gateway_upstream_duration_seconds_count{mode="live",outcome="succeeded"}'), 1);
   t.equal(value('gateway_insert_group_size_sum'), 5, 'five requests written (the replay among them)');
+  // One insert statement per POST (each was answered before the next was sent); the four attempts
+  // were recorded in one to four finish statements, as they came.
+  t.equal(value('gateway_db_write_duration_seconds_count{write="accept"}'), 5, 'each insert statement timed');
+  const finishWrites = value('gateway_db_write_duration_seconds_count{write="finish"}');
+  t.ok(finishWrites >= 1 && finishWrites <= 4, `the finish statements timed (${finishWrites})`);
+  t.ok(value('gateway_db_write_duration_seconds_sum{write="accept"}') > 0 && value('gateway_db_write_duration_seconds_sum{write="finish"}') > 0, 'each took some time');
   t.equal(value('gateway_waiters'), 0);
   t.equal(m.get('gateway_upstream_calls_in_flight{mode="test"}'), 0, 'no call left in flight');
   t.equal(m.get('gateway_upstream_calls_in_flight{mode="live"}'), 0);

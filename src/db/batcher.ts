@@ -26,6 +26,8 @@ export interface BatcherOptions<Item> {
   maxBytes?: { max: number; sizeOf: (item: Item) => number };
   /** Told the size of every group written. */
   onGroup?: (size: number) => void;
+  /** Told how long each group's statement took (seconds), from its start to its answer, when it succeeded. */
+  onDone?: (seconds: number) => void;
 }
 
 /** The byte budget of a group of large items (request bodies, results): 16 MiB. */
@@ -89,8 +91,10 @@ export class Batcher<Item, Result> {
     this.stats.statements++;
     this.stats.items += group.length;
     this.#options.onGroup?.(group.length);
+    const started = performance.now();
     try {
       const results = await this.#write(group.map((pending) => pending.item));
+      this.#options.onDone?.((performance.now() - started) / 1000);
       group.forEach((pending, index) => pending.resolve(results[index]!));
     } catch (error) {
       if (group.length === 1 || isDatabaseUnavailable(error)) {

@@ -32,6 +32,8 @@ export interface InsertBatcherOptions {
   maxInFlight?: number;
   maxBatch?: number;
   onGroup?: (size: number) => void;
+  /** Told how long each insert statement took (seconds), its commit included. */
+  onDone?: (seconds: number) => void;
   /**
    * How long the dispatch jobs of the requests wait before they are due (0: not at all): set
    * where the process dispatches what it accepts itself, and the jobs are only its fallback.
@@ -58,6 +60,7 @@ export class InsertBatcher {
         maxBatch: options.maxBatch ?? 500,
         maxBytes: { max: GROUP_BYTES, sizeOf: (item) => Buffer.byteLength(item.request.body) },
         ...(options.onGroup ? { onGroup: options.onGroup } : {}),
+        ...(options.onDone ? { onDone: options.onDone } : {}),
       });
     this.#small = batcher(options.maxInFlight ?? 2);
     this.#large = batcher(1);

@@ -133,6 +133,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     maxInFlight: GROUP_STATEMENTS_IN_FLIGHT,
     maxBatch: 500,
     maxBytes: { max: GROUP_BYTES, sizeOf: finishBytes },
+    onDone: (seconds) => deps.metrics.durableWrites.observe({ write: 'finish' }, seconds),
   });
   const abandoning = new AbortController();
   /**
