@@ -568,6 +568,16 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
         `unknown keys ${sumDiff('api', 'gateway_unknown_keys_total')}, key reads refused ${sumDiff('api', 'gateway_key_reads_refused_total')}; ` +
         `insert statements ${groups} (${groups ? round(grouped / groups, 1) : 0} requests each)`,
     );
+    // The durable writes on every request's path, as each process timed them (connection, statement, flushed commit).
+    const writes = (which: 'api' | 'worker', write: 'accept' | 'finish') => {
+      const labels = { write };
+      const count = sumDiff(which, 'gateway_db_write_duration_seconds_count', labels);
+      if (!count) return `${write} none`;
+      const mean = (sumDiff(which, 'gateway_db_write_duration_seconds_sum', labels) / count) * 1000;
+      const slow = count - sumDiff(which, 'gateway_db_write_duration_seconds_bucket', { ...labels, le: '0.1' });
+      return `${write} ${count}, mean ${round(mean, 1)} ms, ${slow} over 100 ms`;
+    };
+    t.comment(`${phase}: durable writes: ${writes('api', 'accept')}; ${writes('worker', 'finish')}`);
     const upstreamMean = (mode: string) => {
       const count = sumDiff('worker', 'gateway_upstream_duration_seconds_count', { mode });
       return count ? `${mode} ${count} calls, mean ${Math.round((sumDiff('worker', 'gateway_upstream_duration_seconds_sum', { mode }) / count) * 1000)} ms` : `${mode} none`;
