@@ -2,7 +2,9 @@
 // later request) with model test-delay-<ms>, so each should take that long plus whatever the
 // gateway adds: storing, the worker picking the job up, claiming and recording the attempt,
 // waking the waiter and reading the result. The figure is latency minus the simulated time.
+import { randomBytes } from 'node:crypto';
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
+import type { GatewayProcess } from '../gateway.ts';
 import { checks, openLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
 import { COMPLETIONS, completionBody, errorLine, ms, spreadLine } from './common.ts';
@@ -11,7 +13,10 @@ export const WAIT_TARGET = { p50: 2, p99: 10 };
 
 export async function waitPhase(ctx: PhaseContext): Promise<PhaseResult> {
   const { waitRate, waitReferenceRate, waitDelayMs, topology } = ctx.settings;
-  await ctx.start(topology);
+  // The token puts each process's /metrics on its PORT: their timing of the durable writes is read.
+  const metricsToken = randomBytes(16).toString('hex');
+  const processes = await ctx.start(topology, { METRICS_TOKEN: metricsToken });
+  const writes = () => durableWrites(processes, metricsToken).catch(() => undefined);
   const model = `test-delay-${waitDelayMs}`;
   const details = [
     `${topology.map((role) => `--role ${role}`).join(' + ')}; requests on a fixed schedule, wait=true, model ${model}; ` +
@@ -21,7 +26,7 @@ export async function waitPhase(ctx: PhaseContext): Promise<PhaseResult> {
   const rows = [];
   const data: Record<string, unknown> = {};
   for (const rate of [waitReferenceRate, waitRate]) {
-    const measured = await measure(ctx, rate, model);
+    const measured = await measure(ctx, rate, model, writes);
     details.push(...measured.details.map((line) => `at ${rate} req/s: ${line}`));
     rows.push({
       figure: `wait=true overhead at ${rate} req/s (${model})`,
@@ -35,13 +40,15 @@ export async function waitPhase(ctx: PhaseContext): Promise<PhaseResult> {
   return { rows: rows.reverse(), details, data };
 }
 
-async function measure(ctx: PhaseContext, rate: number, model: string) {
+async function measure(ctx: PhaseContext, rate: number, model: string, writes: () => Promise<DurableWrites | undefined>) {
   const { waitDelayMs, warmupMs, durationMs } = ctx.settings;
   const api = ctx.api();
   const signer = ctx.signer(api.port!);
   const body = completionBody({ wait: true, model });
   const bodySha256 = sha256Hex(body);
   const cpuWindow = ctx.cpuWindow();
+  let writesBefore: Promise<DurableWrites | undefined> | undefined;
+  let writesAfter: Promise<DurableWrites | undefined> | undefined;
 
   const result = await openLoop({
     port: api.port!,
@@ -52,10 +59,17 @@ async function measure(ctx: PhaseContext, rate: number, model: string) {
     drainTimeoutMs: 60_000,
     request: () => signer.post(COMPLETIONS, body, bodySha256),
     check: checks.status(200, '"object":"chat.completion"'),
-    onWindowStart: cpuWindow.onWindowStart,
-    onWindowEnd: cpuWindow.onWindowEnd,
+    onWindowStart: () => {
+      cpuWindow.onWindowStart();
+      writesBefore = writes();
+    },
+    onWindowEnd: () => {
+      cpuWindow.onWindowEnd();
+      writesAfter = writes();
+    },
   });
   const cpu = await cpuWindow.shares();
+  const [before, after] = await Promise.all([writesBefore, writesAfter]);
 
   // Subtracting a constant keeps every rank: the overhead's percentiles are the latency's, less the delay.
   const latencies = result.latency;
@@ -77,6 +91,7 @@ async function measure(ctx: PhaseContext, rate: number, model: string) {
       '(timer and CPU-scheduling delays of the generator, or waits for a new connection)' +
       (lagP99 > 10 ? '  ** the generator fell behind its schedule **' : ''),
     cpu ? cpuLine(cpu, result.ok / (durationMs / 1000)) : 'CPU: not measured',
+    writesLine(before, after),
   ];
   const errors = errorLine(result);
   if (errors) details.push(errors);
@@ -88,4 +103,34 @@ async function measure(ctx: PhaseContext, rate: number, model: string) {
     details,
     data: { p50, p90, p99, min, max, count, sendLagP99: lagP99, errors: Object.fromEntries(result.errors), cpu: cpu?.cores },
   };
+}
+
+/** Each durable write's count and total seconds, summed over the gateway's processes. */
+type DurableWrites = Record<'accept' | 'finish', { count: number; seconds: number }>;
+
+/** The gateway's own timing of its durable writes (gateway_db_write_duration_seconds) so far. */
+async function durableWrites(processes: GatewayProcess[], token: string): Promise<DurableWrites> {
+  const totals: DurableWrites = { accept: { count: 0, seconds: 0 }, finish: { count: 0, seconds: 0 } };
+  for (const gateway of processes) {
+    const answer = await fetch(`http://127.0.0.1:${gateway.port}/metrics`, { headers: { authorization: `Bearer ${token}` } });
+    const text = await answer.text();
+    for (const write of ['accept', 'finish'] as const) {
+      const sample = (kind: string) =>
+        Number(new RegExp(`^gateway_db_write_duration_seconds_${kind}\\{write="${write}"\\} (\\S+)$`, 'm').exec(text)?.[1] ?? 0);
+      totals[write].count += sample('count');
+      totals[write].seconds += sample('sum');
+    }
+  }
+  return totals;
+}
+
+/** The window's durable writes: how many, and how long each took on average, as the gateway timed them. */
+function writesLine(before: DurableWrites | undefined, after: DurableWrites | undefined): string {
+  if (!before || !after) return "the gateway's durable writes: not read (its /metrics did not answer)";
+  const part = (write: 'accept' | 'finish') => {
+    const count = after[write].count - before[write].count;
+    const seconds = after[write].seconds - before[write].seconds;
+    return `${write} ${count.toLocaleString('en-US')}, mean ${count ? ms((seconds / count) * 1000) : 'n/a'}`;
+  };
+  return `the gateway's durable writes in the window, from taking a connection to the commit flushed (gateway_db_write_duration_seconds): ${part('accept')}; ${part('finish')}`;
 }
