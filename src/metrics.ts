@@ -44,7 +44,7 @@ export class Metrics {
 
   readonly durableWrites = new client.Histogram({
     name: `${PREFIX}db_write_duration_seconds`,
-    help: 'Time of the grouped writes that must be durable before anyone is told, by write: accept (requests stored, before they are acknowledged) and finish (attempts recorded, before their results are handed over). From the statement\'s start, a pooled connection taken, to its commit flushed: the database\'s part of a wait=true request, where a slow disk shows first.',
+    help: 'Time of the grouped writes that must be durable before anyone is told, by write: accept (requests stored, before they are acknowledged) and finish (attempts recorded, before their results are handed over). From asking the pool for a connection (a wait for one included) to the commit flushed: the database\'s part of a wait=true request, where a slow disk shows first.',
     labelNames: ['write'] as const,
     buckets: [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
     registers: [this.registry],

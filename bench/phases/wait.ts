@@ -132,5 +132,5 @@ function writesLine(before: DurableWrites | undefined, after: DurableWrites | un
     const seconds = after[write].seconds - before[write].seconds;
     return `${write} ${count.toLocaleString('en-US')}, mean ${count ? ms((seconds / count) * 1000) : 'n/a'}`;
   };
-  return `the gateway's durable writes in the window, from taking a connection to the commit flushed (gateway_db_write_duration_seconds): ${part('accept')}; ${part('finish')}`;
+  return `the gateway's durable writes in the window, from asking the pool for a connection to the commit flushed (gateway_db_write_duration_seconds): ${part('accept')}; ${part('finish')}`;
 }

@@ -26,7 +26,7 @@ export interface BatcherOptions<Item> {
   maxBytes?: { max: number; sizeOf: (item: Item) => number };
   /** Told the size of every group written. */
   onGroup?: (size: number) => void;
-  /** Told how long each group's statement took (seconds), from its start to its answer, when it succeeded. */
+  /** Told how long each group's write took (seconds), from its start (a pooled connection asked for) to its answer, when it succeeded. */
   onDone?: (seconds: number) => void;
 }
 
