@@ -96,9 +96,10 @@ export interface Attempts {
   run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<number | undefined>;
   /**
    * Records attempts whose worker died as worker_lost, and retries them at once, attempts left:
-   * resolves with the queues of those it set retrying, for the caller to dispatch.
+   * resolves with the retries it recorded, each with its queue and how long until it is due (as
+   * run() does), for the caller to dispatch.
    */
-  recover(lost: readonly LostAttempt[]): Promise<string[]>;
+  recover(lost: readonly LostAttempt[]): Promise<{ queueId: string; retryInMs: number }[]>;
   /**
    * The shutdown's grace is over: outcomes still waiting for the database to record them are
    * given up after their current try, and so are those that come after.
@@ -255,7 +256,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     close: () => upstreams.close(),
     abandonRecordings: () => abandoning.abort(),
     async recover(lost) {
-      const due = new Set<string>();
+      const retries: { queueId: string; retryInMs: number }[] = [];
       await Promise.all(
         lost.map(async (attempt) => {
           const failure = {
@@ -268,12 +269,12 @@ export function createAttempts(deps: AttemptDeps): Attempts {
           // records the attempt counts it.
           const done = await fail(attempt, failure, RECOVERY_PATIENCE_MS);
           if (done === null) return;
-          if (done.status === 'retrying' && attempt.queue_id !== null) due.add(attempt.queue_id);
+          if (done.retryInMs !== undefined && attempt.queue_id !== null) retries.push({ queueId: attempt.queue_id, retryInMs: done.retryInMs });
           log.warn({ requestId: attempt.id, attempt: attempt.attempt }, 'attempt lost with its worker; recorded, and retried if it may be');
           deps.metrics.attempts.inc({ mode: attempt.mode, outcome: 'failed', code: 'worker_lost' });
         }),
       );
-      return [...due];
+      return retries;
     },
   };
 }

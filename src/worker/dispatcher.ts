@@ -155,7 +155,7 @@ export class Dispatcher {
   readonly #checks = new Set<Promise<void>>();
   /**
    * Queues this process dispatches again when time gives one of their lanes room (their claims
-   * said when) or a retry it recorded comes due: a timer by queue and slot (#wakeIn). A dispatch
+   * said when) or a retry it recorded comes due: a timer by queue and slot (wakeIn). A dispatch
    * job due then was added too, for whichever worker fetches it; that fetch comes on a worker's
    * next poll for jobs after it is due (its notification came when it was added), up to
    * WORKER_POLL_INTERVAL_MS late: a lane paced by its limits would lose that much of its room
@@ -355,7 +355,7 @@ export class Dispatcher {
       const claim = await this.#claimAndStart(queue, route, Math.min(room, CLAIM_BATCH));
       // Done when nothing due is left, when time holds the rest back (a dispatch is scheduled
       // for when a lane has room), or when only ending calls make room.
-      if (claim.roomInMs !== undefined) this.#wakeIn(queue.id, claim.roomInMs);
+      if (claim.roomInMs !== undefined) this.wakeIn(queue.id, claim.roomInMs);
       if (!claim.waiting || claim.roomInMs !== undefined || claim.started.length === 0) return;
     }
   }
@@ -385,11 +385,16 @@ export class Dispatcher {
   }
 
   /**
-   * Dispatches the queue again in `ms`, at the end of its slot of RETRY_SLOT_MS: one timer per
-   * queue and slot, however many retries and claims ask for it.
+   * Dispatches the queue when `ms` have passed: at once when none is left (a retry due now), else
+   * at the end of its slot of RETRY_SLOT_MS, one timer per queue and slot however many retries
+   * and claims ask for it.
    */
-  #wakeIn(queueId: string, ms: number): void {
+  wakeIn(queueId: string, ms: number): void {
     if (this.#stopping) return;
+    if (ms <= 0) {
+      this.poke(queueId);
+      return;
+    }
     const slot = Math.ceil((Date.now() + Math.max(0, ms)) / RETRY_SLOT_MS);
     const key = `${queueId}:${slot}`;
     if (this.#wakes.has(key)) return;
@@ -417,7 +422,7 @@ export class Dispatcher {
     const running = this.#options.attempts.run(target, started, controller.signal);
     // A retry it recorded: its queue is dispatched here when it is due (the dispatch job added
     // for it is due then too, for whichever worker fetches it on its next poll).
-    void running.then((retryInMs) => retryInMs !== undefined && this.#wakeIn(queueId, retryInMs), () => {});
+    void running.then((retryInMs) => retryInMs !== undefined && this.wakeIn(queueId, retryInMs), () => {});
     const done = running.finally(() => {
       stopTimeout();
       this.#calls.delete(started.id);

@@ -133,10 +133,9 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       if (released.length > 0) log.warn({ workers: released }, 'released the jobs of dead workers');
       if (nextDeathInMs !== null) nextMs = Math.min(nextMs, Math.ceil(nextDeathInMs) + SWEEP_SLACK_MS);
       const lost = await findLostAttempts(deps.db, deadAfterMs, live, RECOVERY_BATCH, released);
-      // Their retries are due at once: dispatched here now, rather than when a worker fetches
-      // the dispatch job they added (on a later poll, the job being due at its slot's end).
-      const due = lost.length > 0 ? await deps.attempts.recover(lost) : [];
-      if (!stopping) for (const queueId of due) dispatcher.poke(queueId);
+      // Their retries, due at once, are dispatched here as the dispatcher's own are.
+      const retries = lost.length > 0 ? await deps.attempts.recover(lost) : [];
+      if (!stopping) for (const retry of retries) dispatcher.wakeIn(retry.queueId, retry.retryInMs);
       // Their webhook tries too: recorded as failed, and made again at once.
       const tries = await deps.deliverer.recoverLost(deadAfterMs, live, RECOVERY_BATCH, released);
       // A full batch: the rest at once.
