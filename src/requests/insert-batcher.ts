@@ -32,7 +32,7 @@ export interface InsertBatcherOptions {
   maxInFlight?: number;
   maxBatch?: number;
   onGroup?: (size: number) => void;
-  /** Told how long each insert statement took (seconds), its commit included. */
+  /** Told how long each insert took (seconds), from asking for a pooled connection to its commit. */
   onDone?: (seconds: number) => void;
   /**
    * How long the dispatch jobs of the requests wait before they are due (0: not at all): set
