@@ -18,6 +18,7 @@ import { openDatabase, withLocalSecrets } from './local.ts';
 import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
+import { UnchecksummedKeys } from './keys/unchecksummed.ts';
 import { KeyReads } from './keys/reads.ts';
 import { signingSecretNotDecrypted } from './keys/service.ts';
 import { InsertBatcher } from './requests/insert-batcher.ts';
@@ -54,6 +55,8 @@ export interface Gateway {
   metrics: Metrics;
   waiters: Waiters | undefined;
   keys: KeyCache | undefined;
+  /** Whether the API's process may meet a key without a checksum (undefined for role "worker"). */
+  unchecksummed: UnchecksummedKeys | undefined;
   stop(): Promise<void>;
 }
 
@@ -99,6 +102,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   // The API's, once built. The worker's side is built before it, and wakes them through this.
   let waiters: Waiters | undefined;
   let keys: KeyCache | undefined;
+  let unchecksummed: UnchecksummedKeys | undefined;
 
   try {
     // One LISTEN connection per process, for whichever of its parts need to hear: waiters and
@@ -131,7 +135,11 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
       waiters = new Waiters(listener);
       shutdown.waiters = waiters;
       keys = new KeyCache(listener);
+      const unchecksummedKeys = new UnchecksummedKeys(db, listener, logger);
+      unchecksummed = unchecksummedKeys;
+      shutdown.users.push(() => unchecksummedKeys.stop());
       await listener.start();
+      await unchecksummedKeys.read();
       metrics.watchPool('api', apiPool);
       metrics.watchWaiters(waiters);
       metrics.watchQueue(() => countUnfinishedByStatus(db));
@@ -160,6 +168,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         waiters,
         keys,
         keyReads: new KeyReads({ onRefused: () => metrics.keyReadsRefused.inc() }),
+        unchecksummed,
         metrics,
         logger,
         queues,
@@ -194,7 +203,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
   const url = urlOf(shutdown.server);
   const metricsUrl = urlOf(shutdown.metricsServer);
   logger.info({ role, url, ...(metricsUrl ? { metricsUrl } : {}) }, 'gateway started');
-  return { url, metricsUrl, metrics, waiters, keys, stop };
+  return { url, metricsUrl, metrics, waiters, keys, unchecksummed, stop };
 }
 
 /**

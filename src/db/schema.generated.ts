@@ -28,6 +28,10 @@ export type Timestamp = ColumnType<Date, Date | string, Date | string>;
 
 export interface ApiKeys {
   /**
+   * Whether the key ends with a checksum: true for the keys made since sql/000023.sql; false for those made before, which may have none.
+   */
+  checksummed: Generated<boolean>;
+  /**
    * When the key was created.
    */
   created_at: Generated<Timestamp>;

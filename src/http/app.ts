@@ -20,6 +20,7 @@ import type { Metrics } from '../metrics.ts';
 import { errorSummary } from '../db/pool.ts';
 import type { KeyCache } from '../keys/cache.ts';
 import type { KeyReads } from '../keys/reads.ts';
+import type { UnchecksummedKeys } from '../keys/unchecksummed.ts';
 import type { Intake } from '../requests/intake.ts';
 import type { RequestDeps } from '../requests/service.ts';
 import { authenticate } from './auth.ts';
@@ -42,11 +43,13 @@ export interface OpsDeps extends MetricsDeps {
   pool: pg.Pool;
 }
 
-/** The API's parts (requests/service.ts has what each is for), and the key cache and read bound for auth. */
+/** The API's parts (requests/service.ts has what each is for), and what auth works with besides the database. */
 export interface AppDeps extends OpsDeps, RequestDeps {
   config: Config;
   keys: KeyCache;
   keyReads: KeyReads;
+  /** Without it, keys without a checksum are always read. */
+  unchecksummed?: UnchecksummedKeys | undefined;
 }
 
 export function createApp(deps: AppDeps): Koa<GatewayState> {
@@ -55,6 +58,7 @@ export function createApp(deps: AppDeps): Koa<GatewayState> {
   const authenticated = authenticate(deps.db, {
     cache: deps.keys,
     reads: deps.keyReads,
+    unchecksummed: deps.unchecksummed,
     onUnknown: () => deps.metrics.unknownKeys.inc(),
   });
 

@@ -19,7 +19,7 @@ import type { Auth } from './auth.ts';
 
 export const KEYS_CHANNEL = 'gateway_api_keys_changed';
 /** The payload's prefix for a key just created (sql/000011.sql); a bare key id: changed or deleted. */
-const CREATED = 'created:';
+export const CREATED = 'created:';
 
 interface Entry {
   auth: Auth;

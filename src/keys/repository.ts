@@ -61,6 +61,8 @@ export async function insertApiKey(
     key_sha256: Buffer;
     key_hint: string;
     signing_secret_ciphertext: Buffer;
+    /** Whether the key ends with a checksum (every key createKey makes does). */
+    checksummed: boolean;
     /** undefined: the key has no deadline of its own (REQUEST_DEADLINE). */
     request_deadline_ms?: number | undefined;
   },
@@ -70,6 +72,16 @@ export async function insertApiKey(
     .insertInto('api_keys')
     .values({ ...columns, request_deadline: deadline === undefined ? null : `${deadline} milliseconds` })
     .execute();
+}
+
+/** Whether an active key may lack a checksum (made before gateway.api_keys.checksummed was). */
+export async function unchecksummedKeysRemain(db: Db): Promise<boolean> {
+  const row = await db
+    .selectNoFrom((eb) =>
+      eb.exists(eb.selectFrom('api_keys').where('checksummed', '=', false).where('revoked_at', 'is', null)).as('remain'),
+    )
+    .executeTakeFirstOrThrow();
+  return row.remain === true;
 }
 
 export async function findKeyByHash(db: Db, keySha256: Buffer): Promise<KeyRecord | undefined> {

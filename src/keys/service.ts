@@ -7,6 +7,7 @@ import { API_KEY, type KeyMode, mayBeIssuedApiKey, newApiKey, newKeyId, newSigni
 import type { Auth } from './auth.ts';
 import type { KeyCache } from './cache.ts';
 import type { KeyReads } from './reads.ts';
+import type { UnchecksummedKeys } from './unchecksummed.ts';
 import * as repository from './repository.ts';
 import { decryptSecret, encryptSecret, hashApiKey } from './secrets.ts';
 
@@ -57,6 +58,7 @@ export async function createKey(
       key_sha256: hashApiKey(apiKey),
       key_hint: apiKey.slice(-4),
       signing_secret_ciphertext: encryptSecret(signingSecret, id, encryptionKey),
+      checksummed: true,
       request_deadline_ms: input.deadlineMs,
     });
   });
@@ -77,16 +79,19 @@ export interface KeyChecks {
   reads?: KeyReads | undefined;
   /** Hears of each well-formed key that is not there (never issued, unknown or revoked). */
   onUnknown?: (() => void) | undefined;
+  /** Whether keys without a checksum may exist (unchecksummed.ts); without it, they may. */
+  unchecksummed?: Pick<UnchecksummedKeys, 'mayExist'> | undefined;
 }
 
 /**
  * The caller behind an Authorization header, or a 401 ApiError. A key the gateway cannot have
- * issued (its checksum does not match: ids.ts) is refused without a read.
+ * issued (its checksum does not match: ids.ts), or one without a checksum while no such key
+ * exists, is refused without a read.
  */
 export async function authenticate(
   db: Db,
   authorization: string | undefined,
-  { cache, reads, onUnknown }: KeyChecks = {},
+  { cache, reads, onUnknown, unchecksummed }: KeyChecks = {},
 ): Promise<Auth> {
   if (authorization === undefined || authorization.trim() === '') {
     throw authenticationError(
@@ -96,7 +101,7 @@ export async function authenticate(
   }
   const token = BEARER.exec(authorization)?.[1];
   if (token === undefined || !API_KEY.test(token)) throw invalidApiKey();
-  if (!mayBeIssuedApiKey(token)) {
+  if (!mayBeIssuedApiKey(token, unchecksummed?.mayExist() ?? true)) {
     onUnknown?.();
     throw invalidApiKey();
   }

@@ -10,6 +10,7 @@ import { createKey, type CreatedKey } from '../../src/keys/service.ts';
 import { createLogger } from '../../src/logger.ts';
 import { startGateway, type Role } from '../../src/main.ts';
 import type { KeyCache } from '../../src/keys/cache.ts';
+import type { UnchecksummedKeys } from '../../src/keys/unchecksummed.ts';
 import type { Waiters } from '../../src/requests/waiters.ts';
 import { createTestDatabase } from './database.ts';
 import type { Teardown } from './teardown.ts';
@@ -30,6 +31,8 @@ export interface TestGateway {
   waiters: Waiters | undefined;
   /** The API's key cache (undefined for role "worker"). */
   keys: KeyCache | undefined;
+  /** Whether the API may meet a key without a checksum (undefined for role "worker"). */
+  unchecksummed: UnchecksummedKeys | undefined;
   /** A key as `gateway keys create` makes it (deadlineMs: its --deadline). */
   createKey(options?: { mode?: KeyMode; project?: string; deadlineMs?: number }): Promise<CreatedKey>;
   stop(): Promise<void>;
@@ -97,6 +100,7 @@ export async function startTestGateway(
     logs,
     waiters: gateway.waiters,
     keys: gateway.keys,
+    unchecksummed: gateway.unchecksummed,
     createKey: (keyOptions = {}) =>
       createKey(db, config.secretEncryptionKeys[0], {
         project: keyOptions.project ?? 'test-project',

@@ -1,5 +1,6 @@
 // Keys a test chooses itself, stored as `gateway keys create` stores the keys it draws.
-import { newKeyId, newSigningSecret } from '../../src/ids.ts';
+import type { Db } from '../../src/db/pool.ts';
+import { mayBeIssuedApiKey, newKeyId, newSigningSecret, type KeyMode } from '../../src/ids.ts';
 import { ensureProject, insertApiKey } from '../../src/keys/repository.ts';
 import type { CreatedKey } from '../../src/keys/service.ts';
 import { encryptSecret, hashApiKey } from '../../src/keys/secrets.ts';
@@ -7,16 +8,29 @@ import type { TestGateway } from './gateway.ts';
 
 /** A test key with the given API key (createKey draws one at random), stored as createKey stores one. */
 export async function createKnownKey(gateway: TestGateway, apiKey: string): Promise<CreatedKey> {
+  return storeKnownKey(gateway.db, gateway.config.secretEncryptionKeys[0]!, { apiKey, project: 'test-project', mode: 'test' });
+}
+
+/**
+ * A key with the given API key, stored in the database of `db`. One of the form before checksums
+ * (40 characters after the prefix) is stored as a gateway of that time stored it.
+ */
+export async function storeKnownKey(
+  db: Db,
+  encryptionKey: Buffer,
+  key: { apiKey: string; project: string; mode: KeyMode },
+): Promise<CreatedKey> {
   const id = newKeyId();
   const signingSecret = newSigningSecret();
-  const projectId = await ensureProject(gateway.db, 'test-project');
-  await insertApiKey(gateway.db, {
+  const projectId = await ensureProject(db, key.project);
+  await insertApiKey(db, {
     id,
     project_id: projectId,
-    mode: 'test',
-    key_sha256: hashApiKey(apiKey),
-    key_hint: apiKey.slice(-4),
-    signing_secret_ciphertext: encryptSecret(signingSecret, id, gateway.config.secretEncryptionKeys[0]!),
+    mode: key.mode,
+    key_sha256: hashApiKey(key.apiKey),
+    key_hint: key.apiKey.slice(-4),
+    signing_secret_ciphertext: encryptSecret(signingSecret, id, encryptionKey),
+    checksummed: mayBeIssuedApiKey(key.apiKey, false),
   });
-  return { id, project: 'test-project', mode: 'test', api_key: apiKey, signing_secret: signingSecret };
+  return { id, project: key.project, mode: key.mode, api_key: key.apiKey, signing_secret: signingSecret };
 }

@@ -400,7 +400,8 @@ export const ATTACK_RATES: Record<Attack, number> = {
   'invented-models': 400,
   'webhook-hang': 150,
   // A third each: keys of today's length with a wrong checksum, keys of the length keys had
-  // before checksums (40 characters: the gateway must read those), and GET /readyz.
+  // before checksums (40 characters: the gateway must read those while a key of that form is
+  // active, as one is in the scenario), and GET /readyz.
   unauthenticated: 300,
 };
 
@@ -532,7 +533,7 @@ function attackSource(attack: Attack, plan: AttackPlan): () => Outgoing {
         if (kind === 2) return { method: 'GET', path: '/readyz', headers: {}, body: undefined, expect: 'readyz' };
         // Today's keys: 40 random characters and a 6-character checksum, here wrong (a check of
         // the text refuses them); then keys of the length they had before checksums, which the
-        // gateway cannot refuse without reading them.
+        // gateway cannot refuse without reading them while a key of that form is active.
         const key = kind === 0 ? `svc_live_${randomBase62(46)}` : `svc_live_${randomBase62(40)}`;
         return {
           method: 'POST',
