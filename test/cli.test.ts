@@ -4,11 +4,12 @@ import { createHash, randomBytes } from 'node:crypto';
 import pg from 'pg';
 import t from 'tap';
 import { listMigrations } from '../src/db/migrate.ts';
-import { mayBeIssuedApiKey } from '../src/ids.ts';
+import { mayBeIssuedApiKey, randomBase62 } from '../src/ids.ts';
 import { runCli, runCliProcess } from './helpers/cli.ts';
 import { adminQuery, createTestDatabase, urlForDatabase } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage, type Answer } from './helpers/http.ts';
+import { storeKnownKey } from './helpers/keys.ts';
 import { waitFor } from './helpers/wait.ts';
 
 async function adminRows(url: string, query: string): Promise<Record<string, unknown>[]> {
@@ -121,6 +122,16 @@ t.test('keys create, list and revoke', async (t) => {
   t.notOk(listed.stdout.includes(key.api_key), 'listing never shows a key');
   const table = await runCli(['keys', 'list'], env);
   t.match(table.stdout, /^id\s+project\s+mode\s+key\s+status/m);
+  t.equal(listedKey.checksum, true, 'a key made now has a checksum');
+  // One stored before keys recorded whether they have a checksum (here, of the form without).
+  const old = await storeKnownKey(service.db, service.config.secretEncryptionKeys[0]!, {
+    apiKey: `svc_test_${randomBase62(40)}`,
+    project: 'acme',
+    mode: 'test',
+  });
+  const withOld = JSON.parse((await runCli(['keys', 'list', '--project', 'acme', '--json'], env)).stdout);
+  t.equal(withOld.find((entry: { id: string }) => entry.id === old.id).checksum, null, 'one stored before: null, it may have none');
+  t.match((await runCli(['keys', 'list'], env)).stdout, new RegExp(`^${old.id}\\s.*\\sunknown\\s`, 'm'), 'shown as unknown');
 
   t.equal(listedKey.id, key.id, 'the id --json gave is the key\'s');
   const revoked = await runCli(['keys', 'revoke', key.id], env);

@@ -47,12 +47,14 @@ async function listKeysCommand(db: Db, options: { project?: string; json: boolea
     status: key.revoked_at ? 'revoked' : 'active',
     // null: the server's REQUEST_DEADLINE.
     deadline: key.request_deadline_ms === null ? null : formatDuration(key.request_deadline_ms),
+    // null: made before keys recorded it, so it may have none (docs/operations.md, "Keys in memory").
+    checksum: key.checksummed ? true : null,
   }));
   if (options.json) return JSON.stringify(rows);
   if (rows.length === 0) return 'No keys.';
   return table(
-    rows.map((row) => ({ ...row, deadline: row.deadline ?? 'REQUEST_DEADLINE' })),
-    ['id', 'project', 'mode', 'key', 'status', 'deadline', 'created_at', 'revoked_at'],
+    rows.map((row) => ({ ...row, deadline: row.deadline ?? 'REQUEST_DEADLINE', checksum: row.checksum ? 'yes' : 'unknown' })),
+    ['id', 'project', 'mode', 'key', 'status', 'deadline', 'checksum', 'created_at', 'revoked_at'],
   );
 }
 

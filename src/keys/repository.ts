@@ -36,6 +36,8 @@ export interface KeyListing {
   created_at: Date;
   revoked_at: Date | null;
   request_deadline_ms: number | null;
+  /** false: made before keys recorded it, and may have no checksum. */
+  checksummed: boolean;
 }
 
 /** The key's request_deadline in milliseconds (null when it has none). */
@@ -115,6 +117,7 @@ export async function listKeys(db: Db, projectName?: string): Promise<KeyListing
       'api_keys.created_at',
       'api_keys.revoked_at',
       deadlineMs('api_keys.request_deadline').as('request_deadline_ms'),
+      'api_keys.checksummed',
     ])
     .orderBy('projects.name')
     .orderBy('api_keys.created_at');
@@ -130,7 +133,16 @@ export async function revokeKey(db: Db, id: string): Promise<KeyListing | undefi
         .updateTable('api_keys')
         .set({ revoked_at: sql<Date>`coalesce(revoked_at, now())` })
         .where('id', '=', id)
-        .returning(['id', 'project_id', 'mode', 'key_hint', 'created_at', 'revoked_at', deadlineMs('request_deadline').as('request_deadline_ms')]),
+        .returning([
+          'id',
+          'project_id',
+          'mode',
+          'key_hint',
+          'created_at',
+          'revoked_at',
+          deadlineMs('request_deadline').as('request_deadline_ms'),
+          'checksummed',
+        ]),
     )
     .selectFrom('revoked')
     .innerJoin('projects', 'projects.id', 'revoked.project_id')
@@ -142,6 +154,7 @@ export async function revokeKey(db: Db, id: string): Promise<KeyListing | undefi
       'revoked.created_at',
       'revoked.revoked_at',
       'revoked.request_deadline_ms',
+      'revoked.checksummed',
     ])
     .executeTakeFirst();
 }
