@@ -1,9 +1,10 @@
-// The logs' standard output (src/logger.ts): the lines of one turn of the event loop go out in one
-// write at the turn's end, in order, and a process that exits writes its last lines first.
+// The logs (src/logger.ts): each line's time, and their standard output: the lines of one turn of
+// the event loop go out in one write at the turn's end, in order, and a process that exits writes
+// its last lines first.
 import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
 import t from 'tap';
-import { TurnBatchedOutput } from '../src/logger.ts';
+import { createLogger, TurnBatchedOutput } from '../src/logger.ts';
 import { childEnv, childExecArgv } from './helpers/node-child.ts';
 
 const nextTurn = () => new Promise<void>((resolve) => setImmediate(resolve));
@@ -49,4 +50,24 @@ t.test("a process that exits in the turn that logged writes the turn's lines fir
   t.equal(failure?.code, 3, 'it exited with its code');
   const lines = (failure?.stdout ?? '').trim().split('\n').map((line) => JSON.parse(line) as { i: number; msg: string });
   t.same(lines.map((line) => [line.i, line.msg]), [[0, 'before exiting'], [1, 'before exiting'], [2, 'before exiting']]);
+});
+
+t.test("each line's time is the moment it was logged, to the millisecond, in ISO 8601", async (t) => {
+  const lines: string[] = [];
+  const logger = createLogger({ logLevel: 'info' }, { write: (line: string) => void lines.push(line) });
+  const times: [number, number][] = [];
+  for (let i = 0; i < 5; i++) {
+    const before = Date.now();
+    logger.info({ i }, 'line');
+    times.push([before, Date.now()]);
+    // Some lines in the same millisecond as the one before, some in a later one.
+    if (i % 2 === 1) await new Promise((resolve) => setTimeout(resolve, 3));
+  }
+  t.equal(lines.length, 5);
+  lines.forEach((line, index) => {
+    const { time } = JSON.parse(line) as { time: string };
+    t.match(time, /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$/, `line ${index}: ISO 8601, UTC, milliseconds`);
+    const [before, after] = times[index]!;
+    t.ok(Date.parse(time) >= before && Date.parse(time) <= after, `line ${index}: the moment it was logged`);
+  });
 });

@@ -4,11 +4,22 @@ import type { ServerResponse } from 'node:http';
 import type { ParameterizedContext } from 'koa';
 import type { Reply } from './context.ts';
 
+/** The media type of every answer's JSON body. */
+const JSON_TYPE = 'application/json; charset=utf-8';
+
+/**
+ * Sets a JSON body on Koa's context, for Koa to send: its text (or bytes) as it is, or a value
+ * serialized here. Its type is set as it is sent: Koa would look a short name up, twice.
+ */
+export function setJsonBody(ctx: ParameterizedContext, body: string | Buffer | object): void {
+  ctx.set('Content-Type', JSON_TYPE);
+  ctx.body = typeof body === 'string' || Buffer.isBuffer(body) ? body : JSON.stringify(body);
+}
+
 /** Sets the reply on Koa's context, for Koa to send. */
 export function setReply(ctx: ParameterizedContext, reply: Reply): void {
   ctx.status = reply.status;
-  ctx.type = 'application/json';
-  ctx.body = reply.body;
+  setJsonBody(ctx, reply.body);
   if (reply.replayed) ctx.set('Idempotent-Replayed', 'true');
   if (reply.headers) ctx.set(reply.headers);
 }
@@ -22,7 +33,7 @@ export function send(res: ServerResponse, reply: Reply): void {
   }
   const body = typeof reply.body === 'string' ? reply.body : JSON.stringify(reply.body);
   res.statusCode = reply.status;
-  res.setHeader('Content-Type', 'application/json; charset=utf-8');
+  res.setHeader('Content-Type', JSON_TYPE);
   if (reply.replayed) res.setHeader('Idempotent-Replayed', 'true');
   for (const [name, value] of Object.entries(reply.headers ?? {})) res.setHeader(name, value);
   res.setHeader('Content-Length', Buffer.byteLength(body));

@@ -10,9 +10,10 @@ import { authenticationError, serviceUnavailable } from '../../errors.ts';
 import type { Logger } from '../../logger.ts';
 import type { Metrics } from '../../metrics.ts';
 import { sharedRead } from '../../shared-read.ts';
+import { setJsonBody } from '../reply.ts';
 
 export const healthz: Middleware = (ctx) => {
-  ctx.body = { status: 'ok' };
+  setJsonBody(ctx, { status: 'ok' });
 };
 
 /** How often /readyz looks at the database at most, whoever asks and however often. */
@@ -45,7 +46,7 @@ export function readyz(pool: pg.Pool, logger: Logger): Middleware {
   return async (ctx) => {
     const { ready } = await look();
     if (!ready) throw serviceUnavailable(5, 'The gateway is not ready; try again later.');
-    ctx.body = { status: 'ready' };
+    setJsonBody(ctx, { status: 'ready' });
   };
 }
 
