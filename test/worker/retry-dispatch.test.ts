@@ -29,13 +29,20 @@ t.test('40 retries after 429s, due within 100 ms of each other: one dispatch job
     'all retrying, none charged, each due after its uncharged backoff',
   );
 
-  const { rows } = await pool.query<{ next_attempt_at: Date }>(`select next_attempt_at from gateway.requests order by id`);
-  const slots = new Set(rows.map((row) => Math.ceil(row.next_attempt_at.getTime() / RETRY_SLOT_MS)));
+  // Each retry's slot as the statement reckons it, from the time's microseconds: a Date keeps
+  // milliseconds only, and a time a few microseconds past a slot's end is in the next slot.
+  const { rows } = await pool.query<{ next_attempt_at: Date; due_ms: number; slot: string }>(
+    `select next_attempt_at, (extract(epoch from next_attempt_at) * 1000)::float8 as due_ms,
+            ceil(extract(epoch from next_attempt_at) * 1000 / $1::float8)::bigint as slot
+     from gateway.requests order by id`,
+    [RETRY_SLOT_MS],
+  );
+  const slots = new Set(rows.map((row) => Number(row.slot)));
   const jobs = await dispatchJobs(db);
   t.equal(jobs.length, slots.size, `${jobs.length} dispatch jobs for ${REQUESTS} retries: one per slot they fall in`);
   t.same(new Set(jobs.map((job) => job.run_at.getTime())), new Set([...slots].map((slot) => slot * RETRY_SLOT_MS)), 'each due when its slot ends');
   for (const [index, row] of rows.entries()) {
-    const due = row.next_attempt_at.getTime();
+    const due = row.due_ms;
     const covering = jobs.filter((job) => job.run_at.getTime() >= due && job.run_at.getTime() - due < RETRY_SLOT_MS);
     if (covering.length !== 1) t.fail(`retry ${index + 1} (due ${row.next_attempt_at.toISOString()}) has ${covering.length} jobs due within a slot after it`);
   }
