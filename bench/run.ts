@@ -12,6 +12,7 @@ import { CpuMeter, waitForQuiet } from './cpu.ts';
 import { gatewayCommand, running } from './gateway.ts';
 import { describeMachine, gatewaySettingNames, machineLines } from './machine.ts';
 import { acceptPhase } from './phases/accept.ts';
+import { refusalsPhase } from './phases/refusals.ts';
 import { ceilingPhase } from './phases/ceiling.ts';
 import { endToEndPhase } from './phases/end-to-end.ts';
 import { holdPhase } from './phases/hold.ts';
@@ -24,6 +25,7 @@ import { RequestSigner } from './signing.ts';
 
 const RUNNERS: Record<Phase, (ctx: PhaseContext) => Promise<PhaseResult>> = {
   accept: acceptPhase,
+  refusals: refusalsPhase,
   ceiling: ceilingPhase,
   'end-to-end': endToEndPhase,
   wait: waitPhase,
@@ -33,7 +35,7 @@ const RUNNERS: Record<Phase, (ctx: PhaseContext) => Promise<PhaseResult>> = {
 };
 
 // The order of the table: the request path's phases, then the slow upstream's.
-const TABLE_ORDER: Phase[] = ['accept', 'end-to-end', 'wait', 'hold', 'lookup', 'ceiling', 'slow-upstream'];
+const TABLE_ORDER: Phase[] = ['accept', 'end-to-end', 'wait', 'hold', 'lookup', 'refusals', 'ceiling', 'slow-upstream'];
 const RATIO_TARGET = 3;
 // Before each phase, up to this long for the machine to fall quiet (another test suite, the
 // last phase's processes exiting).

@@ -4,7 +4,7 @@ import type { Role } from './gateway.ts';
 
 // In the order they run: the ceiling right after accept, whose figure it is compared with; the
 // two longest, which also open thousands of sockets, hold and slow-upstream, at the end.
-export const PHASES = ['accept', 'ceiling', 'end-to-end', 'wait', 'lookup', 'hold', 'slow-upstream'] as const;
+export const PHASES = ['accept', 'ceiling', 'end-to-end', 'wait', 'lookup', 'refusals', 'hold', 'slow-upstream'] as const;
 export type Phase = (typeof PHASES)[number];
 
 export interface Settings {
@@ -12,7 +12,7 @@ export interface Settings {
   /** Measured window of each timed phase. */
   durationMs: number;
   warmupMs: number;
-  /** Concurrent connections of the saturation phases (accept, end-to-end, lookups) and of slow-upstream's submissions. */
+  /** Concurrent connections of the saturation phases (accept, end-to-end, lookups, refusals) and of slow-upstream's submissions. */
   connections: number;
   /** Offered rate of the wait=true overhead phase, requests per second. */
   waitRate: number;
