@@ -1,11 +1,16 @@
 // Keys of the form before checksums (40 characters after the prefix, none of them a checksum) are
 // read only while an active key of that form may exist (src/keys/unchecksummed.ts): otherwise a
-// made-up one is refused from its text alone, as a key that fails its checksum is.
+// made-up one is refused from its text alone, as a key that fails its checksum is. A process
+// believes that none exists only while it hears every change of a key.
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { randomBase62 } from '../../src/ids.ts';
 import { revokeKey } from '../../src/keys/repository.ts';
+import { UnchecksummedKeys } from '../../src/keys/unchecksummed.ts';
+import type { ListenerEvents } from '../../src/db/listener.ts';
+import { createLogger } from '../../src/logger.ts';
 import { inBatches } from '../helpers/concurrency.ts';
+import { testDatabasePool } from '../helpers/database.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { createKnownKey } from '../helpers/keys.ts';
@@ -64,4 +69,53 @@ t.test('a key made before checksums works, and keys of its form are read while i
   await untilBelieved(gateway, false);
   const answers = await answersWhileKeysLocked(gateway, [old.api_key, ...Array.from({ length: 20 }, oldFormKey)]);
   t.same(new Set(answers), new Set(['401 invalid_api_key']), 'once it is revoked, keys of its form (itself too) are refused without a read');
+});
+
+/** A stand-in for the LISTEN connection: announcements, losses and returns are made by hand. */
+function fakeListener() {
+  const subscribers: ListenerEvents[] = [];
+  const listener = {
+    listening: true,
+    subscribe: (_channel: string, events: ListenerEvents) => void subscribers.push(events),
+    announce: (payload: string) => subscribers.forEach((events) => events.notification(payload)),
+    lose: () => {
+      listener.listening = false;
+      subscribers.forEach((events) => events.lost?.());
+    },
+    restore: () => {
+      listener.listening = true;
+      subscribers.forEach((events) => events.restored?.());
+    },
+  };
+  return listener as typeof listener & ConstructorParameters<typeof UnchecksummedKeys>[1];
+}
+
+t.test('"none" holds only while every change is heard: a loss or a creation makes such keys readable at once, until a read after them', async (t) => {
+  const { db } = await testDatabasePool(t, 'unchecksummed-test');
+  const listener = fakeListener();
+  const keys = new UnchecksummedKeys(db, listener, createLogger({ logLevel: 'silent' }));
+  t.teardown(() => keys.stop());
+  await keys.read();
+  t.notOk(keys.mayExist(), 'read with the connection up: none');
+
+  listener.lose();
+  t.ok(keys.mayExist(), 'the connection lost: they may exist');
+  listener.listening = true;
+  t.ok(keys.mayExist(), 'the connection up again but not yet read: they still may');
+  listener.restore();
+  await until(() => !keys.mayExist(), 'a read after the return');
+
+  listener.announce('created:key_00000000000000000000');
+  t.ok(keys.mayExist(), 'a creation announced: they may exist, before any read');
+  await until(() => !keys.mayExist(), 'the read the creation asked for');
+
+  // A read under way when the connection is lost decides nothing, even if the connection is
+  // up again when it ends (its return not yet told): the read after the return does.
+  const reading = keys.read();
+  listener.lose();
+  listener.listening = true;
+  await reading;
+  t.ok(keys.mayExist(), 'a read begun before a loss leaves them possible');
+  listener.restore();
+  await until(() => !keys.mayExist(), 'a read after the return');
 });
