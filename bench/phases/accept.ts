@@ -4,7 +4,7 @@
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
 import { checks, closedLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
-import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine } from './common.ts';
+import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine, windowFigures } from './common.ts';
 
 export const ACCEPT_TARGET = { rps: 8_000, cpuMicros: 150 };
 
@@ -32,12 +32,8 @@ export async function acceptPhase(ctx: PhaseContext): Promise<PhaseResult> {
   // having woken the lane with one job at most.
   const stored = await ctx.storedCounts();
 
-  const rps = result.ok / (durationMs / 1000);
-  const p50 = result.latency.percentile(50);
-  const p99 = result.latency.percentile(99);
+  const { rps, p50, p99, cpuMicros } = windowFigures(result, cpu, durationMs);
   const consistent = stored.requests === result.totalOk && stored.jobs <= result.totalOk;
-  // The CPU an accepted request costs the gateway and Postgres together (unknown: not measured).
-  const cpuMicros = cpu && rps > 0 ? Math.round(((cpu.cores.gateway + cpu.cores.postgres) / rps) * 1e6) : undefined;
   const details = [
     `--role api (no worker), ${connections} keep-alive connections, closed loop; wait=false, model test-echo`,
     spreadLine(result),

@@ -2,6 +2,7 @@
 // and how figures are written.
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { PhaseContext } from '../context.ts';
+import type { CpuShares } from '../cpu.ts';
 import type { LoadResult } from '../load.ts';
 
 export const COMPLETIONS = '/v1/chat/completions';
@@ -58,4 +59,14 @@ export function errorLine(result: Pick<LoadResult, 'errors'>): string | undefine
 export function spreadLine(result: LoadResult): string {
   const seconds = result.windowMs / 1000;
   return `${result.ok.toLocaleString('en-US')} correct answers in ${seconds} s; per second: lowest ${result.perSecond.min}, highest ${result.perSecond.max}`;
+}
+
+/**
+ * A saturation phase's figures over its window: correct answers a second, their p50 and p99, and
+ * the CPU each cost the gateway and Postgres together (undefined: not measured).
+ */
+export function windowFigures(result: LoadResult, cpu: CpuShares | undefined, durationMs: number) {
+  const rps = result.ok / (durationMs / 1000);
+  const cpuMicros = cpu && rps > 0 ? Math.round(((cpu.cores.gateway + cpu.cores.postgres) / rps) * 1e6) : undefined;
+  return { rps, p50: result.latency.percentile(50), p99: result.latency.percentile(99), cpuMicros };
 }

@@ -3,7 +3,7 @@
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
 import { checks, closedLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
-import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine, waitUntilFinished } from './common.ts';
+import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine, waitUntilFinished, windowFigures } from './common.ts';
 
 export const LOOKUP_TARGET = 8_000;
 const LOOKED_UP = 1_000;
@@ -45,9 +45,7 @@ export async function lookupPhase(ctx: PhaseContext): Promise<PhaseResult> {
   });
   const cpu = await cpuWindow.shares();
 
-  const rps = result.ok / (durationMs / 1000);
-  const p50 = result.latency.percentile(50);
-  const p99 = result.latency.percentile(99);
+  const { rps, p50, p99 } = windowFigures(result, cpu, durationMs);
   const details = [
     `${topology.map((role) => `--role ${role}`).join(' + ')}; ${connections} connections, closed loop, ` +
       `each a signed GET of one of ${LOOKED_UP.toLocaleString('en-US')} completed requests in turn`,

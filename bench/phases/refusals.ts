@@ -8,7 +8,7 @@ import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
 import type { HttpResponse } from '../http.ts';
 import { closedLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
-import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine } from './common.ts';
+import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine, windowFigures } from './common.ts';
 
 /** Keys no gateway issued, a few of each form: with a checksum that fails, and without one. */
 const FORGED_KEYS = {
@@ -57,10 +57,7 @@ export async function refusalsPhase(ctx: PhaseContext): Promise<PhaseResult> {
   const cpu = await cpuWindow.shares();
   const stored = await ctx.storedCounts();
 
-  const rps = result.ok / (durationMs / 1000);
-  const p50 = result.latency.percentile(50);
-  const p99 = result.latency.percentile(99);
-  const cpuMicros = cpu && rps > 0 ? Math.round(((cpu.cores.gateway + cpu.cores.postgres) / rps) * 1e6) : undefined;
+  const { rps, p50, p99, cpuMicros } = windowFigures(result, cpu, durationMs);
   const details = [
     `--role api (no worker), RATE_LIMIT_RPS=1, ${connections} keep-alive connections, closed loop; in turn a signed submission over its key's rate, a key failing its checksum, a key of the form without one`,
     spreadLine(result),
