@@ -64,11 +64,12 @@ t.test('test traffic at full load leaves live latency unchanged', async (t) => {
   };
 
   const quiet = await liveLatencies('quiet');
-  // The test lane filled: 50 simulated calls of 15 s in flight (its whole capacity), 450 waiting.
-  // Calls that long outlast the filling and the measuring below however busy the machine is: no
-  // call ends, and none of the waiting ones takes its place, while live latency is measured.
+  // The test lane filled: 50 simulated calls of 25 s in flight (its whole capacity), 450 waiting.
+  // Calls that long (within UPSTREAM_TIMEOUT_MS) outlast the filling and the measuring below
+  // however busy the machine is: no call ends, and none of the waiting ones takes its place,
+  // while live latency is measured.
   const flood = await Promise.all(
-    Array.from({ length: 500 }, (_, i) => test.post({ model: 'test-delay-15000', messages: userMessage(`flood ${i}`) })),
+    Array.from({ length: 500 }, (_, i) => test.post({ model: 'test-delay-25000', messages: userMessage(`flood ${i}`) })),
   );
   t.same(new Set(flood.map((answer) => answer.status)), new Set([202]), 'the test flood accepted');
   await until(async () => {
