@@ -1,10 +1,11 @@
 // SQL of accepting requests (requests/insert-batcher.ts, requests/service.ts): storing a group of
 // submissions with their nonces, each in its model's queue, and finding the answer of a submission
 // whose idempotency key was taken before.
-import { sql, type Nullable, type Selectable } from 'kysely';
+import { sql, type Nullable, type RawBuilder, type Selectable } from 'kysely';
 import pg from 'pg';
 import type { RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
+import { statement } from '../db/statement.ts';
 import type { KeyMode } from '../ids.ts';
 import { NONCE_KEPT_SECONDS, type Nonce } from '../keys/repository.ts';
 import { DISPATCH_QUEUE } from '../lanes/jobs.ts';
@@ -66,15 +67,43 @@ export type InsertResult =
  */
 export async function insertRequests(db: Db, items: readonly Item[], dispatch: Dispatch = { delayMs: 0 }): Promise<Inserted> {
   const fallback = dispatch.delayMs > 0;
-  const covered = fallback ? (dispatch.covered ?? []) : [];
-  const { rows } = await sql<
-    { ord: string; nonce_accepted: boolean; fallbacks: Record<string, number> | null } & Nullable<
-      Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>
-    >
-  >`
-    with input as (${inputRows(items)}), nonces as (
+  const values: Record<StatementValue, unknown> = {
+    ...inputValues(items),
+    delay_ms: dispatch.delayMs,
+    fallback,
+    covered: fallback ? (dispatch.covered ?? []) : [],
+  };
+  const { rows } = await (items.length === 1 ? insertOne : insertGroup).execute(db, values);
+  const results = rows.map((row, index): InsertResult => {
+    if (!row.nonce_accepted) return { kind: 'replayed_nonce' };
+    if (row.id === null) return { kind: 'idempotency_key_taken' };
+    return {
+      kind: 'inserted',
+      answer: {
+        id: row.id,
+        status: row.status!,
+        created_at: row.created_at!,
+        result: null,
+        body_sha256: items[index]!.request.body_sha256,
+      },
+    };
+  });
+  return { results, fallbacks: new Map(Object.entries(rows[0]?.fallbacks ?? {})) };
+}
+
+type InsertedRow = { ord: string; nonce_accepted: boolean; fallbacks: Record<string, number> | null } & Nullable<
+  Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>
+>;
+
+/** The statement's values: one per input column, and how the queues are dispatched. */
+type StatementValue = ColumnName | 'delay_ms' | 'fallback' | 'covered';
+
+/** The statement, with `input` giving its rows (input.*, ord) from the values of the columns. */
+function insertStatement(input: (values: Record<StatementValue, RawBuilder<unknown>>) => RawBuilder<unknown>) {
+  return statement([...COLUMN_NAMES, 'delay_ms', 'fallback', 'covered'], (values) => sql<InsertedRow>`
+    with input as (${input(values)}), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
-      select api_key_id, nonce, now() + ${NONCE_KEPT_SECONDS} * interval '1 second' from input where nonce is not null
+      select api_key_id, nonce, now() + ${sql.lit(NONCE_KEPT_SECONDS)} * interval '1 second' from input where nonce is not null
       on conflict do nothing
       returning api_key_id, nonce
     ), accepted as (
@@ -113,15 +142,15 @@ export async function insertRequests(db: Db, items: readonly Item[], dispatch: D
       select distinct inserted.queue_id from inserted
       where inserted.status = 'queued'
         and not exists (select from gateway.queues where queues.id = inserted.queue_id and queues.wake_at > now())
-        and inserted.queue_id <> all(${covered}::bigint[])
+        and inserted.queue_id <> all(${values.covered}::bigint[])
     ), jobs as (
       -- Each fallback added (or found, keeping its time), and how many milliseconds until it is due.
       select json_object_agg(added.payload->>'queue_id', extract(epoch from added.run_at - now()) * 1000)
                filter (where added.key is not null) as fallbacks
       from graphile_worker.add_jobs(array(
-        select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null,
-                   now() + ${dispatch.delayMs}::float8 * interval '1 millisecond', null,
-                   case when ${fallback}::boolean then ${FALLBACK_KEY_PREFIX} || queue_id end, null, null)::graphile_worker.job_spec
+        select row(${sql.lit(DISPATCH_QUEUE)}, json_build_object('queue_id', queue_id), null,
+                   now() + ${values.delay_ms}::float8 * interval '1 millisecond', null,
+                   case when ${values.fallback}::boolean then ${sql.lit(FALLBACK_KEY_PREFIX)} || queue_id end, null, null)::graphile_worker.job_spec
         -- In one order, so that statements updating the same queues' fallbacks cannot deadlock.
         from woken order by queue_id
       ), job_key_preserve_run_at => true) as added
@@ -135,22 +164,7 @@ export async function insertRequests(db: Db, items: readonly Item[], dispatch: D
     left join accepted on accepted.ord = input.ord
     left join inserted on inserted.id = input.id
     order by input.ord
-  `.execute(db);
-  const results = rows.map((row, index): InsertResult => {
-    if (!row.nonce_accepted) return { kind: 'replayed_nonce' };
-    if (row.id === null) return { kind: 'idempotency_key_taken' };
-    return {
-      kind: 'inserted',
-      answer: {
-        id: row.id,
-        status: row.status!,
-        created_at: row.created_at!,
-        result: null,
-        body_sha256: items[index]!.request.body_sha256,
-      },
-    };
-  });
-  return { results, fallbacks: new Map(Object.entries(rows[0]?.fallbacks ?? {})) };
+  `);
 }
 
 /** How the requests of a statement have their queues dispatched. */
@@ -173,36 +187,45 @@ const FALLBACK_KEY_PREFIX = 'dispatch_fallback:';
 type Item = { request: NewRequest; nonce: Nonce | undefined };
 
 /** The columns of the statement's input, each with its type and where an item has it. */
-const INPUT_COLUMNS: readonly (readonly [name: string, type: string, pick: (item: Item) => unknown])[] = [
-  ['id', 'text', (i) => i.request.id],
-  ['project_id', 'bigint', (i) => i.request.project_id],
-  ['mode', 'text', (i) => i.request.mode],
-  ['api_key_id', 'text', (i) => i.request.api_key_id],
-  ['model', 'text', (i) => i.request.model],
-  ['body', 'text', (i) => i.request.body],
-  ['body_sha256', 'bytea', (i) => i.request.body_sha256],
-  ['idempotency_key', 'text', (i) => i.request.idempotency_key],
-  ['queue_id', 'bigint', (i) => i.request.queue_id],
-  ['prompt_tokens_estimate', 'int', (i) => i.request.prompt_tokens_estimate],
-  ['deadline_ms', 'float8', (i) => i.request.deadline_ms],
-  ['nonce', 'text', (i) => i.nonce?.nonce ?? null],
-  ['start_lane_id', 'bigint', (i) => i.request.start?.laneId ?? null],
-  ['start_worker_id', 'text', (i) => i.request.start?.workerId ?? null],
-];
+const INPUT_COLUMNS = [
+  ['id', 'text', (i: Item) => i.request.id],
+  ['project_id', 'bigint', (i: Item) => i.request.project_id],
+  ['mode', 'text', (i: Item) => i.request.mode],
+  ['api_key_id', 'text', (i: Item) => i.request.api_key_id],
+  ['model', 'text', (i: Item) => i.request.model],
+  ['body', 'text', (i: Item) => i.request.body],
+  ['body_sha256', 'bytea', (i: Item) => i.request.body_sha256],
+  ['idempotency_key', 'text', (i: Item) => i.request.idempotency_key],
+  ['queue_id', 'bigint', (i: Item) => i.request.queue_id],
+  ['prompt_tokens_estimate', 'int', (i: Item) => i.request.prompt_tokens_estimate],
+  ['deadline_ms', 'float8', (i: Item) => i.request.deadline_ms],
+  ['nonce', 'text', (i: Item) => i.nonce?.nonce ?? null],
+  ['start_lane_id', 'bigint', (i: Item) => i.request.start?.laneId ?? null],
+  ['start_worker_id', 'text', (i: Item) => i.request.start?.workerId ?? null],
+] as const;
+type ColumnName = (typeof INPUT_COLUMNS)[number][0];
+const COLUMN_NAMES = INPUT_COLUMNS.map(([name]) => name);
 
 /**
- * The items as rows (with their position, ord): a group as one array per column, unnested; a
- * single item as plain parameters. A large body goes alone (insert-batcher.ts), and as a plain
+ * The input's rows (with their position, ord): a single item as plain parameters, a group as one
+ * array per column, unnested. A large body goes alone (insert-batcher.ts), and as a plain
  * parameter Postgres takes its text as it is, where in an array literal both sides would escape
  * and parse every byte of it.
  */
-function inputRows(items: readonly Item[]) {
-  if (items.length === 1) {
-    const item = items[0]!;
-    return sql`select ${sql.join(INPUT_COLUMNS.map(([name, type, pick]) => sql`${pick(item)}::${sql.raw(type)} as ${sql.id(name)}`))}, 1::bigint as ord`;
-  }
-  return sql`select * from unnest(${sql.join(INPUT_COLUMNS.map(([, type, pick]) => sql`${items.map(pick)}::${sql.raw(type)}[]`))})
-    with ordinality as t(${sql.join(INPUT_COLUMNS.map(([name]) => sql.id(name)))}, ord)`;
+const insertOne = insertStatement(
+  (values) => sql`select ${sql.join(INPUT_COLUMNS.map(([name, type]) => sql`${values[name]}::${sql.raw(type)} as ${sql.id(name)}`))}, 1::bigint as ord`,
+);
+const insertGroup = insertStatement(
+  (values) => sql`select * from unnest(${sql.join(INPUT_COLUMNS.map(([name, type]) => sql`${values[name]}::${sql.raw(type)}[]`))})
+    with ordinality as t(${sql.join(COLUMN_NAMES.map((name) => sql.id(name)))}, ord)`,
+);
+
+/** The values of the input's columns: each item's own for one item, an array per column for a group. */
+function inputValues(items: readonly Item[]): Record<ColumnName, unknown> {
+  const only = items.length === 1 ? items[0]! : undefined;
+  return Object.fromEntries(
+    INPUT_COLUMNS.map(([name, , pick]: readonly [ColumnName, string, (item: Item) => unknown]) => [name, only ? pick(only) : items.map((item) => pick(item))]),
+  ) as Record<ColumnName, unknown>;
 }
 
 /**
