@@ -4,6 +4,7 @@
 import { sql, type Selectable } from 'kysely';
 import type { Database } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
+import { statement } from '../db/statement.ts';
 import type { KeyMode } from '../ids.ts';
 import { DISPATCH_QUEUE } from './jobs.ts';
 import type { LaneLimits } from '../upstream/upstreams.ts';
@@ -145,6 +146,27 @@ export interface DeploymentLane {
  */
 export const LANE_PACING = Object.freeze({ pace: 0.95, burstSeconds: 0.9 });
 
+const claimStatement = statement(
+  ['queue_id', 'max', 'worker_id', 'lane_ids', 'max_concurrent', 'requests_per_minute', 'tokens_per_minute'] as const,
+  (v) => sql<{
+    request_id: string | null;
+    attempt: number | null;
+    charged: number | null;
+    body: string | null;
+    lane_id: string | null;
+    probe: boolean | null;
+    waiting: boolean | null;
+    room_in_ms: number | null;
+  }>`
+    select request_id, attempt, charged, body, lane_id, probe, waiting,
+           extract(epoch from room_at - now())::float8 * 1000 as room_in_ms
+    from gateway.claim_queue(${v.queue_id}::bigint, ${v.max}::int, ${v.worker_id}::text, ${v.lane_ids}::bigint[],
+                             ${v.max_concurrent}::int[], ${v.requests_per_minute}::int[], ${v.tokens_per_minute}::int[],
+                             ${sql.lit(LANE_PACING.pace)}::float8, ${sql.lit(LANE_PACING.burstSeconds)}::float8)
+    cross join (select set_config('synchronous_commit', 'off', true)) as commit_without_flush
+  `,
+);
+
 /**
  * Starts up to `max` attempts of the queue for `workerId` on its lanes, the first preferred,
  * each within its health and limits, in the projects' turns.
@@ -165,26 +187,15 @@ export async function claimQueue(
   lanes: readonly DeploymentLane[],
 ): Promise<QueueClaim> {
   const limit = (pick: (limits: LaneLimits) => number | undefined) => lanes.map((lane) => pick(lane.limits) ?? null);
-  const { rows } = await sql<{
-    request_id: string | null;
-    attempt: number | null;
-    charged: number | null;
-    body: string | null;
-    lane_id: string | null;
-    probe: boolean | null;
-    waiting: boolean | null;
-    room_in_ms: number | null;
-  }>`
-    select request_id, attempt, charged, body, lane_id, probe, waiting,
-           extract(epoch from room_at - now())::float8 * 1000 as room_in_ms
-    from gateway.claim_queue(${queueId}::bigint, ${max}::int, ${workerId}::text,
-                             ${lanes.map((lane) => lane.laneId)}::bigint[],
-                             ${limit((limits) => limits.maxConcurrent)}::int[],
-                             ${limit((limits) => limits.requestsPerMinute)}::int[],
-                             ${limit((limits) => limits.tokensPerMinute)}::int[],
-                             ${LANE_PACING.pace}::float8, ${LANE_PACING.burstSeconds}::float8)
-    cross join (select set_config('synchronous_commit', 'off', true)) as commit_without_flush
-  `.execute(db);
+  const { rows } = await claimStatement.execute(db, {
+    queue_id: queueId,
+    max,
+    worker_id: workerId,
+    lane_ids: lanes.map((lane) => lane.laneId),
+    max_concurrent: limit((limits) => limits.maxConcurrent),
+    requests_per_minute: limit((limits) => limits.requestsPerMinute),
+    tokens_per_minute: limit((limits) => limits.tokensPerMinute),
+  });
   const summary = rows.at(-1)!;
   return {
     started: rows.slice(0, -1).map((row) => ({

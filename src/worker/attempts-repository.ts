@@ -5,6 +5,7 @@
 import { sql, type Selectable } from 'kysely';
 import type { RequestAttemptsTable, RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
+import { statement } from '../db/statement.ts';
 import { DISPATCH_QUEUE } from '../lanes/jobs.ts';
 import type { LaneHealthRules } from '../lanes/health.ts';
 import type { Fault, Usage } from '../upstream/outcome.ts';
@@ -96,29 +97,77 @@ export async function finishAttempts(
   const failure = (finish: Finish) => (finish.kind === 'completed' ? undefined : finish);
   const usage = (finish: Finish) => (finish.kind === 'completed' ? finish.usage : undefined);
   const rules = settings.health;
-  const { rows } = await sql<{
-    status: 'completed' | 'failed' | 'retrying' | null;
-    charged: boolean | null;
-    retry_in_ms: number | null;
-    lane_changes: { lane_id: string; upstream: string; model: string; from: LaneChange['from']; to: LaneChange['to']; last_error: string | null }[];
-  }>`
+  const { rows } = await finishStatement.execute(db, {
+    id: column((f) => f.id),
+    attempt: column((f) => f.attempt),
+    kind: column((f) => f.kind),
+    fault: column((f) => failure(f)?.fault ?? null),
+    result: column((f) => (f.kind === 'completed' ? f.result : null)),
+    prompt_tokens: column((f) => usage(f)?.prompt ?? null),
+    completion_tokens: column((f) => usage(f)?.completion ?? null),
+    total_tokens: column((f) => usage(f)?.total ?? null),
+    code: column((f) => failure(f)?.code ?? null),
+    detail: column((f) => failure(f)?.detail ?? null),
+    upstream_status: column((f) => f.upstreamStatus),
+    duration_ms: column((f) => f.durationMs),
+    delay_ms: column((f) => (f.kind === 'retry' ? f.delayMs : null)),
+    uncharged_delay_ms: column((f) => (f.kind === 'retry' ? f.unchargedDelayMs : null)),
+    pause_ms: column((f) => failure(f)?.pauseMs ?? null),
+    max_attempts: settings.maxAttempts,
+    window_ms: rules.windowMs,
+    open_after_streak: rules.openAfterStreak,
+    window_min_failures: rules.windowMinFailures,
+    probe_min_ms: rules.probeMinMs,
+    probe_max_ms: rules.probeMaxMs,
+  });
+  return {
+    finished: rows.map((row) =>
+      row.status === null
+        ? null
+        : { status: row.status, charged: row.charged, ...(row.retry_in_ms === null ? {} : { retryInMs: row.retry_in_ms }) },
+    ),
+    laneChanges: (rows[0]?.lane_changes ?? []).map((change) => ({
+      laneId: change.lane_id,
+      upstream: change.upstream,
+      model: change.model,
+      from: change.from,
+      to: change.to,
+      lastError: change.last_error,
+    })),
+  };
+}
+
+interface FinishRow {
+  status: 'completed' | 'failed' | 'retrying' | null;
+  charged: boolean | null;
+  retry_in_ms: number | null;
+  lane_changes: { lane_id: string; upstream: string; model: string; from: LaneChange['from']; to: LaneChange['to']; last_error: string | null }[];
+}
+
+const finishStatement = statement(
+  [
+    'id', 'attempt', 'kind', 'fault', 'result', 'prompt_tokens', 'completion_tokens', 'total_tokens', 'code',
+    'detail', 'upstream_status', 'duration_ms', 'delay_ms', 'uncharged_delay_ms', 'pause_ms', 'max_attempts',
+    'window_ms', 'open_after_streak', 'window_min_failures', 'probe_min_ms', 'probe_max_ms',
+  ] as const,
+  (v) => sql<FinishRow>`
     with input as (
       select * from unnest(
-        ${column((f) => f.id)}::text[],
-        ${column((f) => f.attempt)}::int[],
-        ${column((f) => f.kind)}::text[],
-        ${column((f) => failure(f)?.fault ?? null)}::text[],
-        ${column((f) => (f.kind === 'completed' ? f.result : null))}::text[],
-        ${column((f) => usage(f)?.prompt ?? null)}::int[],
-        ${column((f) => usage(f)?.completion ?? null)}::int[],
-        ${column((f) => usage(f)?.total ?? null)}::int[],
-        ${column((f) => failure(f)?.code ?? null)}::text[],
-        ${column((f) => failure(f)?.detail ?? null)}::text[],
-        ${column((f) => f.upstreamStatus)}::int[],
-        ${column((f) => f.durationMs)}::int[],
-        ${column((f) => (f.kind === 'retry' ? f.delayMs : null))}::float8[],
-        ${column((f) => (f.kind === 'retry' ? f.unchargedDelayMs : null))}::float8[],
-        ${column((f) => failure(f)?.pauseMs ?? null)}::float8[]
+        ${v.id}::text[],
+        ${v.attempt}::int[],
+        ${v.kind}::text[],
+        ${v.fault}::text[],
+        ${v.result}::text[],
+        ${v.prompt_tokens}::int[],
+        ${v.completion_tokens}::int[],
+        ${v.total_tokens}::int[],
+        ${v.code}::text[],
+        ${v.detail}::text[],
+        ${v.upstream_status}::int[],
+        ${v.duration_ms}::int[],
+        ${v.delay_ms}::float8[],
+        ${v.uncharged_delay_ms}::float8[],
+        ${v.pause_ms}::float8[]
       ) with ordinality as t(id, attempt, kind, fault, result, prompt_tokens, completion_tokens, total_tokens, code, detail,
                               upstream_status, duration_ms, delay_ms, uncharged_delay_ms, pause_ms, ord)
     ), current as (
@@ -145,7 +194,7 @@ export async function finishAttempts(
     ), outcomes as (
       select decided.*,
              case when decided.kind <> 'retry' then decided.kind
-                  when decided.charged and decided.charged_attempts + 1 >= ${settings.maxAttempts}::int then 'failed'
+                  when decided.charged and decided.charged_attempts + 1 >= ${v.max_attempts}::int then 'failed'
                   else 'retrying' end as status
       from (
         select current.*,
@@ -215,7 +264,7 @@ export async function finishAttempts(
       where lessons.failures > 0 or lessons.pause_ms is not null or lessons.unestimated_tokens <> 0 or lessons.probe_ended
          or (lessons.successes > 0
              and (lanes.health <> 'healthy' or lanes.failure_streak > 0
-                  or (lanes.window_failures > 0 and lanes.window_started_at > now() - ${rules.windowMs}::int * interval '1 millisecond')))
+                  or (lanes.window_failures > 0 and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond')))
       order by lanes.id
       for update of lanes
     ), lane_next as (
@@ -225,7 +274,7 @@ export async function finishAttempts(
       -- A window counts a minute of calls, begun by a failure.
       cross join lateral (
         select lanes.window_failures > 0
-               and lanes.window_started_at > now() - ${rules.windowMs}::int * interval '1 millisecond' as window_open
+               and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond' as window_open
       ) as open_window
       cross join lateral (
         select case when open_window.window_open then lanes.window_started_at
@@ -242,16 +291,16 @@ export async function finishAttempts(
         select case when lessons.successes > 0 then 'healthy'
                     when lanes.health = 'probing' and lessons.probe_ended then 'open'
                     when lanes.health = 'healthy' and lessons.failures > 0
-                         and (streak.failure_streak >= ${rules.openAfterStreak}::int
-                              or (window_now.window_failures >= ${rules.windowMinFailures}::int
+                         and (streak.failure_streak >= ${v.open_after_streak}::int
+                              or (window_now.window_failures >= ${v.window_min_failures}::int
                                   and window_now.window_failures * 2 > window_now.window_calls)) then 'open'
                     else lanes.health end as health
       ) as next
       cross join lateral (
         select case when next.health = 'healthy' then null
-                    when lanes.health = 'healthy' then ${rules.probeMinMs}::int
+                    when lanes.health = 'healthy' then ${v.probe_min_ms}::int
                     when lessons.probe_failed
-                      then least(${rules.probeMaxMs}::int, coalesce(lanes.probe_interval_ms, ${rules.probeMinMs}::int) * 2)
+                      then least(${v.probe_max_ms}::int, coalesce(lanes.probe_interval_ms, ${v.probe_min_ms}::int) * 2)
                     else lanes.probe_interval_ms end as probe_interval_ms
       ) as interval_now
       cross join lateral (
@@ -292,10 +341,10 @@ export async function finishAttempts(
       -- A queue's retries are dispatched in slots of RETRY_SLOT_MS, each when it ends, by one job
       -- keyed by the queue and the slot: a storm of retries (a 429 to each of hundreds of calls a
       -- second) adds a few jobs a second, not one per retry, each fetched, run and recorded.
-      select queue_id, to_timestamp(slot * ${RETRY_SLOT_MS}::float8 / 1000) as run_at,
-             ${RETRY_KEY_PREFIX} || queue_id || ':' || slot as key
+      select queue_id, to_timestamp(slot * ${sql.lit(RETRY_SLOT_MS)}::float8 / 1000) as run_at,
+             ${sql.lit(RETRY_KEY_PREFIX)} || queue_id || ':' || slot as key
       from (
-        select queue_id, ceil(extract(epoch from next_attempt_at) * 1000 / ${RETRY_SLOT_MS}::float8)::bigint as slot
+        select queue_id, ceil(extract(epoch from next_attempt_at) * 1000 / ${sql.lit(RETRY_SLOT_MS)}::float8)::bigint as slot
         from finished where status = 'retrying'
       ) as retries
       union -- (not all: one row, and one job, per queue and slot)
@@ -303,7 +352,7 @@ export async function finishAttempts(
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
-        select row(${DISPATCH_QUEUE}, json_build_object('queue_id', queue_id), null, run_at,
+        select row(${sql.lit(DISPATCH_QUEUE)}, json_build_object('queue_id', queue_id), null, run_at,
                    null, key, null, null)::graphile_worker.job_spec
         -- In one order, so that statements adding the same keys cannot deadlock.
         from due order by queue_id, run_at
@@ -326,23 +375,8 @@ export async function finishAttempts(
     left join outcomes on outcomes.ord = input.ord
     left join finished on finished.id = input.id
     order by input.ord
-  `.execute(db);
-  return {
-    finished: rows.map((row) =>
-      row.status === null
-        ? null
-        : { status: row.status, charged: row.charged, ...(row.retry_in_ms === null ? {} : { retryInMs: row.retry_in_ms }) },
-    ),
-    laneChanges: (rows[0]?.lane_changes ?? []).map((change) => ({
-      laneId: change.lane_id,
-      upstream: change.upstream,
-      model: change.model,
-      from: change.from,
-      to: change.to,
-      lastError: change.last_error,
-    })),
-  };
-}
+  `,
+);
 
 /** The slots of time in which a queue's retries share one dispatch, due when the slot ends. */
 export const RETRY_SLOT_MS = 250;
@@ -361,18 +395,39 @@ type Completion = Extract<Finish, { kind: 'completed' }>;
  */
 async function finishCompletions(db: Db, completions: readonly Completion[], rules: LaneHealthRules): Promise<Finished[] | undefined> {
   const column = <T>(pick: (completion: Completion) => T) => completions.map(pick);
-  const { rows } = await sql<{ plain: boolean; applied: boolean }>`
+  const { rows } = await completionsStatement.execute(db, {
+    id: column((c) => c.id),
+    attempt: column((c) => c.attempt),
+    lane_id: column((c) => c.laneId),
+    result: column((c) => c.result),
+    prompt_tokens: column((c) => c.usage.prompt),
+    completion_tokens: column((c) => c.usage.completion),
+    total_tokens: column((c) => c.usage.total),
+    upstream_status: column((c) => c.upstreamStatus),
+    duration_ms: column((c) => c.durationMs),
+    window_ms: rules.windowMs,
+  });
+  if (!rows[0]?.plain) return undefined;
+  return rows.map((row) => (row.applied ? { status: 'completed', charged: null } : null));
+}
+
+const completionsStatement = statement(
+  [
+    'id', 'attempt', 'lane_id', 'result', 'prompt_tokens', 'completion_tokens', 'total_tokens',
+    'upstream_status', 'duration_ms', 'window_ms',
+  ] as const,
+  (v) => sql<{ plain: boolean; applied: boolean }>`
     with input as (
       select * from unnest(
-        ${column((c) => c.id)}::text[],
-        ${column((c) => c.attempt)}::int[],
-        ${column((c) => c.laneId)}::bigint[],
-        ${column((c) => c.result)}::text[],
-        ${column((c) => c.usage.prompt)}::int[],
-        ${column((c) => c.usage.completion)}::int[],
-        ${column((c) => c.usage.total)}::int[],
-        ${column((c) => c.upstreamStatus)}::int[],
-        ${column((c) => c.durationMs)}::int[]
+        ${v.id}::text[],
+        ${v.attempt}::int[],
+        ${v.lane_id}::bigint[],
+        ${v.result}::text[],
+        ${v.prompt_tokens}::int[],
+        ${v.completion_tokens}::int[],
+        ${v.total_tokens}::int[],
+        ${v.upstream_status}::int[],
+        ${v.duration_ms}::int[]
       ) with ordinality as t(id, attempt, lane_id, result, prompt_tokens, completion_tokens, total_tokens,
                               upstream_status, duration_ms, ord)
     ), lanes_plain as (
@@ -381,7 +436,7 @@ async function finishCompletions(db: Db, completions: readonly Completion[], rul
         where lanes.id in (select lane_id from input)
           and (lanes.health <> 'healthy' or lanes.failure_streak > 0 or lanes.tokens_per_minute is not null
                or (lanes.window_failures > 0
-                   and lanes.window_started_at > now() - ${rules.windowMs}::int * interval '1 millisecond'))
+                   and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond'))
       ) as plain
     ), attempt_rows as (
       update gateway.request_attempts
@@ -409,10 +464,8 @@ async function finishCompletions(db: Db, completions: readonly Completion[], rul
     from input
     left join finished on finished.id = input.id
     order by input.ord
-  `.execute(db);
-  if (!rows[0]?.plain) return undefined;
-  return rows.map((row) => (row.applied ? { status: 'completed', charged: null } : null));
-}
+  `,
+);
 
 /** An attempt left running by a worker that died. */
 export interface LostAttempt extends Pick<Selectable<RequestsTable>, 'id' | 'mode' | 'queue_id'> {
