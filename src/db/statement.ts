@@ -29,7 +29,7 @@ export class Statement<Row, Name extends string> {
     this.#build = build;
   }
 
-  execute(db: Db, values: Record<Name, unknown>): Promise<QueryResult<Row>> {
+  async execute(db: Db, values: Record<Name, unknown>): Promise<QueryResult<Row>> {
     this.#text ??= this.#compile(db);
     return db.executeQuery(CompiledQuery.raw(this.#text, this.#names.map((name) => values[name])) as CompiledQuery<Row>);
   }
