@@ -6,6 +6,7 @@
 import { sql, type RawBuilder, type Selectable } from 'kysely';
 import type { WebhookEndpointsTable, WebhookEvent, WebhookMessagesTable, WebhookMessageStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
+import { statement } from '../db/statement.ts';
 import type { RecordRow } from '../requests/record.ts';
 import { DELIVER_WEBHOOK, WAKE_WEBHOOK_ENDPOINT, wakeJobKey } from './jobs.ts';
 
@@ -49,7 +50,7 @@ type ClaimedRow = Pick<Selectable<WebhookMessagesTable>, 'id' | 'status' | 'endp
  * instead when the endpoint is disabled), if the endpoint is disabled, does not back off, or this
  * claim is its probe. The CTE `claimed_rows` returns them with their requests.
  */
-function claimTargets(workerId: string): RawBuilder<unknown> {
+function claimTargets(workerId: RawBuilder<unknown>): RawBuilder<unknown> {
   return sql`
     claimed as (
       update gateway.webhook_messages as messages
@@ -83,7 +84,7 @@ function claimTargets(workerId: string): RawBuilder<unknown> {
  * now under the endpoint's row lock, so that a claim at the same moment finds it paused. `probe`
  * has a row when this claim is the probe.
  */
-function probeEndpoint(probeMs: number): RawBuilder<unknown> {
+function probeEndpoint(probeMs: RawBuilder<unknown>): RawBuilder<unknown> {
   return sql`
     probe as (
       update gateway.webhook_endpoints as endpoints
@@ -118,6 +119,25 @@ function claimedMessage(row: ClaimedRow): ClaimedMessage {
   };
 }
 
+const claimMessageStatement = statement(
+  ['message_id', 'worker_id', 'probe_ms'] as const,
+  (v) => sql<Partial<ClaimedRow> & { waiting: boolean; probe: boolean }>`
+    with target as (
+      select messages.id, messages.endpoint_id
+      from gateway.webhook_messages as messages
+      where messages.id = ${v.message_id} and messages.status = 'pending' and messages.next_try_at <= now()
+      for update of messages skip locked
+    ), endpoint as (
+      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
+      from gateway.webhook_endpoints as endpoints
+      join target on target.endpoint_id = endpoints.id
+    ), ${probeEndpoint(v.probe_ms)}, ${claimTargets(v.worker_id)}
+    select claimed_rows.*, exists (select from target) as waiting, exists (select from probe) as probe
+    from (select 1) as one
+    left join claimed_rows on true
+  `,
+);
+
 /**
  * Claims the message for a try by `workerId`, if it is pending and due: delivering, tries + 1,
  * and a running row in webhook_deliveries for the try. A message whose endpoint is disabled is
@@ -125,21 +145,7 @@ function claimedMessage(row: ClaimedRow): ClaimedMessage {
  * endpoint's probe (`probeMs`: how long the probe keeps others off).
  */
 export async function claimMessage(db: Db, messageId: string, workerId: string, probeMs: number): Promise<Claim> {
-  const { rows } = await sql<Partial<ClaimedRow> & { waiting: boolean; probe: boolean }>`
-    with target as (
-      select messages.id, messages.endpoint_id
-      from gateway.webhook_messages as messages
-      where messages.id = ${messageId} and messages.status = 'pending' and messages.next_try_at <= now()
-      for update of messages skip locked
-    ), endpoint as (
-      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
-      from gateway.webhook_endpoints as endpoints
-      join target on target.endpoint_id = endpoints.id
-    ), ${probeEndpoint(probeMs)}, ${claimTargets(workerId)}
-    select claimed_rows.*, exists (select from target) as waiting, exists (select from probe) as probe
-    from (select 1) as one
-    left join claimed_rows on true
-  `.execute(db);
+  const { rows } = await claimMessageStatement.execute(db, { message_id: messageId, worker_id: workerId, probe_ms: probeMs });
   const row = rows[0];
   if (!row?.id) return row?.waiting ? { kind: 'paused' } : { kind: 'nothing' };
   if (row.status !== 'delivering') return { kind: 'abandoned' };
@@ -159,33 +165,38 @@ export interface DueClaim {
   backingOff: boolean;
 }
 
+const claimDueStatement = statement(
+  ['endpoint_id', 'worker_id', 'limit', 'probe_ms'] as const,
+  (v) => sql<Partial<ClaimedRow> & { backing_off: boolean; probe: boolean }>`
+    with endpoint as (
+      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
+      from gateway.webhook_endpoints as endpoints
+      where endpoints.id = ${v.endpoint_id}
+    ), target as (
+      select messages.id, messages.endpoint_id
+      from gateway.webhook_messages as messages
+      where messages.endpoint_id = ${v.endpoint_id} and messages.status = 'pending' and messages.next_try_at <= now()
+      order by messages.next_try_at, messages.id
+      -- (backing off: the one that may be its probe)
+      limit (select case when endpoint.backoff_ms is null or endpoint.disabled_at is not null then ${v.limit}::int else 1 end
+             from endpoint)
+      for update of messages skip locked
+    ), ${probeEndpoint(v.probe_ms)}, ${claimTargets(v.worker_id)}
+    select claimed_rows.*, exists (select from probe) as probe,
+           exists (select from target)
+             and exists (select from endpoint where endpoint.disabled_at is null and endpoint.backoff_ms is not null) as backing_off
+    from (select 1) as one
+    left join claimed_rows on true
+  `,
+);
+
 /**
  * Claims up to `limit` of the endpoint's due messages for tries by `workerId`, oldest due first,
  * as claimMessage claims one: while the endpoint backs off, only its probe, when the wait is over.
  * Messages locked by another claim at the same moment are passed over.
  */
 export async function claimDue(db: Db, endpointId: string, workerId: string, limit: number, probeMs: number): Promise<DueClaim> {
-  const { rows } = await sql<Partial<ClaimedRow> & { backing_off: boolean; probe: boolean }>`
-    with endpoint as (
-      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
-      from gateway.webhook_endpoints as endpoints
-      where endpoints.id = ${endpointId}
-    ), target as (
-      select messages.id, messages.endpoint_id
-      from gateway.webhook_messages as messages
-      where messages.endpoint_id = ${endpointId} and messages.status = 'pending' and messages.next_try_at <= now()
-      order by messages.next_try_at, messages.id
-      -- (backing off: the one that may be its probe)
-      limit (select case when endpoint.backoff_ms is null or endpoint.disabled_at is not null then ${limit}::int else 1 end
-             from endpoint)
-      for update of messages skip locked
-    ), ${probeEndpoint(probeMs)}, ${claimTargets(workerId)}
-    select claimed_rows.*, exists (select from probe) as probe,
-           exists (select from target)
-             and exists (select from endpoint where endpoint.disabled_at is null and endpoint.backoff_ms is not null) as backing_off
-    from (select 1) as one
-    left join claimed_rows on true
-  `.execute(db);
+  const { rows } = await claimDueStatement.execute(db, { endpoint_id: endpointId, worker_id: workerId, limit, probe_ms: probeMs });
   const claim: DueClaim = { messages: [], abandoned: 0, backingOff: rows[0]?.backing_off ?? false };
   for (const row of rows) {
     if (!row.id) continue;
@@ -274,6 +285,80 @@ export interface EndpointBackoff {
   maxMs: number;
 }
 
+/** An endpoint's next wait when a try times out: its wait doubled, from `backoff`'s least, up to its most. */
+const nextBackoff = (v: Record<'backoff_min_ms' | 'backoff_max_ms', RawBuilder<unknown>>) =>
+  sql`least(${v.backoff_max_ms}::int, coalesce(endpoints.backoff_ms * 2, ${v.backoff_min_ms}::int))`;
+
+const finishTryStatement = statement(
+  [
+    'outcome', 'http_status', 'error', 'duration_ms', 'message_id', 'try_number', 'gone', 'timed_out', 'backoff_min_ms',
+    'backoff_max_ms', 'endpoint_id', 'retry_in_ms', 'kind', 'retrying',
+  ] as const,
+  (v) => sql<{ status: WebhookMessageStatus | null }>`
+    with try_row as (
+      update gateway.webhook_deliveries
+      set outcome = ${v.outcome}, finished_at = now(),
+          http_status = ${v.http_status}, error = ${v.error}, duration_ms = ${v.duration_ms}
+      where message_id = ${v.message_id} and try_number = ${v.try_number} and outcome = 'running'
+      returning started_at
+    ), endpoint as (
+      update gateway.webhook_endpoints as endpoints
+      set disabled_at = case when ${v.gone}::boolean then coalesce(endpoints.disabled_at, now()) else endpoints.disabled_at end,
+          disabled_reason = case when ${v.gone}::boolean then coalesce(endpoints.disabled_reason, 'it answered 410 Gone')
+                                 else endpoints.disabled_reason end,
+          backoff_ms = case when ${v.timed_out}::boolean is null then endpoints.backoff_ms
+                            when ${v.timed_out}::boolean then ${nextBackoff(v)} end,
+          timed_out_at = case when ${v.timed_out}::boolean is null then endpoints.timed_out_at
+                              when ${v.timed_out}::boolean then now() end,
+          paused_until = case when ${v.timed_out}::boolean is null then endpoints.paused_until
+                              when ${v.timed_out}::boolean then now() + ${nextBackoff(v)} * interval '1 millisecond' end
+      where endpoints.id = ${v.endpoint_id}
+        and (${v.gone}::boolean
+             or (${v.timed_out}::boolean and (endpoints.timed_out_at is null
+                                           or endpoints.timed_out_at < (select started_at from try_row)))
+             or (not ${v.timed_out}::boolean and endpoints.backoff_ms is not null))
+      returning endpoints.id
+    ), disabled as (
+      select endpoint.id from endpoint where ${v.gone}::boolean
+    ), message as (
+      update gateway.webhook_messages as messages
+      set status = next.status,
+          next_try_at = case when next.status = 'pending'
+                             then now() + ${v.retry_in_ms}::float8 * interval '1 millisecond' end,
+          finished_at = case when next.status = 'pending' then null else now() end,
+          worker_id = null
+      from (
+        select case
+                 when ${v.kind}::text = 'delivered' then 'delivered'
+                 when ${v.kind}::text = 'gone' or endpoints.disabled_at is not null then 'abandoned'
+                 when ${v.retrying}::boolean then 'pending'
+                 else 'failed'
+               end as status
+        from gateway.webhook_endpoints as endpoints
+        where endpoints.id = ${v.endpoint_id}
+      ) as next
+      where messages.id = ${v.message_id} and messages.tries = ${v.try_number} and messages.status = 'delivering'
+      returning messages.id, messages.status, messages.next_try_at
+    ), abandoned as (
+      update gateway.webhook_messages as messages
+      set status = 'abandoned', next_try_at = null, finished_at = now()
+      from disabled
+      where messages.endpoint_id = disabled.id and messages.status = 'pending'
+    ), queued as (
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${sql.lit(DELIVER_WEBHOOK)}, json_build_object('message_id', message.id, 'endpoint_id', ${v.endpoint_id}::text),
+                   null, message.next_try_at, null, null, null, null)::graphile_worker.job_spec
+        from message where message.status = 'pending'
+      ))
+      where exists (select from message where message.status = 'pending')
+    )
+    select message.status from (select 1) as one
+    cross join queued
+    left join message on true
+  `,
+);
+
 /**
  * Records how a try ended, in one statement: its row in webhook_deliveries, and its message:
  * delivered; pending again with a deliver_webhook job due at its next try; failed, the schedule
@@ -289,73 +374,22 @@ export interface EndpointBackoff {
  * A try that ended otherwise ends its backoff.
  */
 export async function finishTry(db: Db, end: TryEnd, backoff: EndpointBackoff): Promise<WebhookMessageStatus | undefined> {
-  const retrying = end.kind === 'failed' && end.retryInMs !== undefined;
-  const gone = end.kind === 'gone';
-  const timedOut = end.timedOut ?? null;
-  const nextBackoff = sql`least(${backoff.maxMs}::int, coalesce(endpoints.backoff_ms * 2, ${backoff.minMs}::int))`;
-  const { rows } = await sql<{ status: WebhookMessageStatus | null }>`
-    with try_row as (
-      update gateway.webhook_deliveries
-      set outcome = ${end.kind === 'delivered' ? 'succeeded' : 'failed'}, finished_at = now(),
-          http_status = ${end.httpStatus}, error = ${end.error}, duration_ms = ${end.durationMs}
-      where message_id = ${end.messageId} and try_number = ${end.tryNumber} and outcome = 'running'
-      returning started_at
-    ), endpoint as (
-      update gateway.webhook_endpoints as endpoints
-      set disabled_at = case when ${gone}::boolean then coalesce(endpoints.disabled_at, now()) else endpoints.disabled_at end,
-          disabled_reason = case when ${gone}::boolean then coalesce(endpoints.disabled_reason, 'it answered 410 Gone')
-                                 else endpoints.disabled_reason end,
-          backoff_ms = case when ${timedOut}::boolean is null then endpoints.backoff_ms
-                            when ${timedOut}::boolean then ${nextBackoff} end,
-          timed_out_at = case when ${timedOut}::boolean is null then endpoints.timed_out_at
-                              when ${timedOut}::boolean then now() end,
-          paused_until = case when ${timedOut}::boolean is null then endpoints.paused_until
-                              when ${timedOut}::boolean then now() + ${nextBackoff} * interval '1 millisecond' end
-      where endpoints.id = ${end.endpointId}
-        and (${gone}::boolean
-             or (${timedOut}::boolean and (endpoints.timed_out_at is null
-                                           or endpoints.timed_out_at < (select started_at from try_row)))
-             or (not ${timedOut}::boolean and endpoints.backoff_ms is not null))
-      returning endpoints.id
-    ), disabled as (
-      select endpoint.id from endpoint where ${gone}::boolean
-    ), message as (
-      update gateway.webhook_messages as messages
-      set status = next.status,
-          next_try_at = case when next.status = 'pending'
-                             then now() + ${end.retryInMs ?? 0}::float8 * interval '1 millisecond' end,
-          finished_at = case when next.status = 'pending' then null else now() end,
-          worker_id = null
-      from (
-        select case
-                 when ${end.kind}::text = 'delivered' then 'delivered'
-                 when ${end.kind}::text = 'gone' or endpoints.disabled_at is not null then 'abandoned'
-                 when ${retrying}::boolean then 'pending'
-                 else 'failed'
-               end as status
-        from gateway.webhook_endpoints as endpoints
-        where endpoints.id = ${end.endpointId}
-      ) as next
-      where messages.id = ${end.messageId} and messages.tries = ${end.tryNumber} and messages.status = 'delivering'
-      returning messages.id, messages.status, messages.next_try_at
-    ), abandoned as (
-      update gateway.webhook_messages as messages
-      set status = 'abandoned', next_try_at = null, finished_at = now()
-      from disabled
-      where messages.endpoint_id = disabled.id and messages.status = 'pending'
-    ), queued as (
-      select count(*) as jobs
-      from graphile_worker.add_jobs(array(
-        select row(${DELIVER_WEBHOOK}, json_build_object('message_id', message.id, 'endpoint_id', ${end.endpointId}::text),
-                   null, message.next_try_at, null, null, null, null)::graphile_worker.job_spec
-        from message where message.status = 'pending'
-      ))
-      where exists (select from message where message.status = 'pending')
-    )
-    select message.status from (select 1) as one
-    cross join queued
-    left join message on true
-  `.execute(db);
+  const { rows } = await finishTryStatement.execute(db, {
+    outcome: end.kind === 'delivered' ? 'succeeded' : 'failed',
+    http_status: end.httpStatus,
+    error: end.error,
+    duration_ms: end.durationMs,
+    message_id: end.messageId,
+    try_number: end.tryNumber,
+    gone: end.kind === 'gone',
+    timed_out: end.timedOut ?? null,
+    backoff_min_ms: backoff.minMs,
+    backoff_max_ms: backoff.maxMs,
+    endpoint_id: end.endpointId,
+    retry_in_ms: end.retryInMs ?? 0,
+    kind: end.kind,
+    retrying: end.kind === 'failed' && end.retryInMs !== undefined,
+  });
   return rows[0]?.status ?? undefined;
 }
 
