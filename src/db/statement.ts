@@ -45,3 +45,27 @@ export class Statement<Row, Name extends string> {
     return compiled.sql;
   }
 }
+
+/**
+ * A statement's input column: its name, its SQL type, and where an item of a group has its value.
+ * A group goes as one array per column (`columnArrays`), unnested into rows (`unnestRows`).
+ */
+export type InputColumn<Item, Name extends string = string> = readonly [name: Name, type: string, pick: (item: Item) => unknown];
+
+/** The values of a group's columns: one array per column, in the items' order. */
+export function columnArrays<Item, Name extends string>(columns: readonly InputColumn<Item, Name>[], items: readonly Item[]): Record<Name, unknown[]> {
+  return Object.fromEntries(columns.map(([name, , pick]) => [name, items.map((item) => pick(item))])) as Record<Name, unknown[]>;
+}
+
+/**
+ * The rows of a group, from the arrays of its columns (each the named value of its column, cast
+ * to an array of its type): `select * from unnest(...) with ordinality as t(<names>, ord)`, ord
+ * being each item's position.
+ */
+export function unnestRows<Name extends string>(
+  columns: readonly InputColumn<never, Name>[],
+  values: Record<Name, RawBuilder<unknown>>,
+): RawBuilder<unknown> {
+  return sql`select * from unnest(${sql.join(columns.map(([name, type]) => sql`${values[name]}::${sql.raw(type)}[]`))})
+      with ordinality as t(${sql.join(columns.map(([name]) => sql.id(name)))}, ord)`;
+}

@@ -7,13 +7,16 @@ import type { Reply } from './context.ts';
 /** The media type of every answer's JSON body. */
 const JSON_TYPE = 'application/json; charset=utf-8';
 
+/** A JSON body's text: a string as it is, any other value serialized. */
+const jsonText = (body: string | object): string => (typeof body === 'string' ? body : JSON.stringify(body));
+
 /**
  * Sets a JSON body on Koa's context, for Koa to send: its text (or bytes) as it is, or a value
  * serialized here. Its type is set as it is sent: Koa would look a short name up, twice.
  */
 export function setJsonBody(ctx: ParameterizedContext, body: string | Buffer | object): void {
   ctx.set('Content-Type', JSON_TYPE);
-  ctx.body = typeof body === 'string' || Buffer.isBuffer(body) ? body : JSON.stringify(body);
+  ctx.body = Buffer.isBuffer(body) ? body : jsonText(body);
 }
 
 /** Sets the reply on Koa's context, for Koa to send. */
@@ -31,7 +34,7 @@ export function send(res: ServerResponse, reply: Reply): void {
     res.end();
     return;
   }
-  const body = typeof reply.body === 'string' ? reply.body : JSON.stringify(reply.body);
+  const body = jsonText(reply.body);
   res.statusCode = reply.status;
   res.setHeader('Content-Type', JSON_TYPE);
   if (reply.replayed) res.setHeader('Idempotent-Replayed', 'true');

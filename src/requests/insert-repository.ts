@@ -5,7 +5,7 @@ import { sql, type Nullable, type RawBuilder, type Selectable } from 'kysely';
 import pg from 'pg';
 import type { RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
-import { statement } from '../db/statement.ts';
+import { columnArrays, statement, unnestRows, type InputColumn } from '../db/statement.ts';
 import type { KeyMode } from '../ids.ts';
 import { NONCE_KEPT_SECONDS, type Nonce } from '../keys/repository.ts';
 import { DISPATCH_QUEUE } from '../lanes/jobs.ts';
@@ -95,12 +95,9 @@ type InsertedRow = { ord: string; nonce_accepted: boolean; fallbacks: Record<str
   Pick<Selectable<RequestsTable>, 'id' | 'status' | 'created_at'>
 >;
 
-/** The statement's values: one per input column, and how the queues are dispatched. */
-type StatementValue = ColumnName | 'delay_ms' | 'fallback' | 'covered';
-
 /** The statement, with `input` giving its rows (input.*, ord) from the values of the columns. */
 function insertStatement(input: (values: Record<StatementValue, RawBuilder<unknown>>) => RawBuilder<unknown>) {
-  return statement([...COLUMN_NAMES, 'delay_ms', 'fallback', 'covered'], (values) => sql<InsertedRow>`
+  return statement(STATEMENT_VALUES, (values) => sql<InsertedRow>`
     with input as (${input(values)}), nonces as (
       insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
       select api_key_id, nonce, now() + ${sql.lit(NONCE_KEPT_SECONDS)} * interval '1 second' from input where nonce is not null
@@ -202,9 +199,12 @@ const INPUT_COLUMNS = [
   ['nonce', 'text', (i: Item) => i.nonce?.nonce ?? null],
   ['start_lane_id', 'bigint', (i: Item) => i.request.start?.laneId ?? null],
   ['start_worker_id', 'text', (i: Item) => i.request.start?.workerId ?? null],
-] as const;
+] as const satisfies readonly InputColumn<Item>[];
 type ColumnName = (typeof INPUT_COLUMNS)[number][0];
-const COLUMN_NAMES = INPUT_COLUMNS.map(([name]) => name);
+
+/** The statement's values: one per input column, then how the queues are dispatched. */
+const STATEMENT_VALUES = [...INPUT_COLUMNS.map(([name]) => name), 'delay_ms', 'fallback', 'covered'] as const;
+type StatementValue = (typeof STATEMENT_VALUES)[number];
 
 /**
  * The input's rows (with their position, ord): a single item as plain parameters, a group as one
@@ -215,17 +215,13 @@ const COLUMN_NAMES = INPUT_COLUMNS.map(([name]) => name);
 const insertOne = insertStatement(
   (values) => sql`select ${sql.join(INPUT_COLUMNS.map(([name, type]) => sql`${values[name]}::${sql.raw(type)} as ${sql.id(name)}`))}, 1::bigint as ord`,
 );
-const insertGroup = insertStatement(
-  (values) => sql`select * from unnest(${sql.join(INPUT_COLUMNS.map(([name, type]) => sql`${values[name]}::${sql.raw(type)}[]`))})
-    with ordinality as t(${sql.join(COLUMN_NAMES.map((name) => sql.id(name)))}, ord)`,
-);
+const insertGroup = insertStatement((values) => unnestRows(INPUT_COLUMNS, values));
 
 /** The values of the input's columns: each item's own for one item, an array per column for a group. */
 function inputValues(items: readonly Item[]): Record<ColumnName, unknown> {
-  const only = items.length === 1 ? items[0]! : undefined;
-  return Object.fromEntries(
-    INPUT_COLUMNS.map(([name, , pick]: readonly [ColumnName, string, (item: Item) => unknown]) => [name, only ? pick(only) : items.map((item) => pick(item))]),
-  ) as Record<ColumnName, unknown>;
+  if (items.length > 1) return columnArrays(INPUT_COLUMNS, items);
+  const only = items[0]!;
+  return Object.fromEntries(INPUT_COLUMNS.map(([name, , pick]) => [name, pick(only)])) as Record<ColumnName, unknown>;
 }
 
 /**

@@ -5,7 +5,7 @@
 import { sql, type Selectable } from 'kysely';
 import type { RequestAttemptsTable, RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
-import { statement } from '../db/statement.ts';
+import { columnArrays, statement, unnestRows, type InputColumn } from '../db/statement.ts';
 import { DISPATCH_QUEUE } from '../lanes/jobs.ts';
 import type { LaneHealthRules } from '../lanes/health.ts';
 import type { Fault, Usage } from '../upstream/outcome.ts';
@@ -93,26 +93,9 @@ export async function finishAttempts(
     const finished = await finishCompletions(db, completions, settings.health);
     if (finished) return { finished, laneChanges: [] };
   }
-  const column = <T>(pick: (finish: Finish) => T) => finishes.map(pick);
-  const failure = (finish: Finish) => (finish.kind === 'completed' ? undefined : finish);
-  const usage = (finish: Finish) => (finish.kind === 'completed' ? finish.usage : undefined);
   const rules = settings.health;
   const { rows } = await finishStatement.execute(db, {
-    id: column((f) => f.id),
-    attempt: column((f) => f.attempt),
-    kind: column((f) => f.kind),
-    fault: column((f) => failure(f)?.fault ?? null),
-    result: column((f) => (f.kind === 'completed' ? f.result : null)),
-    prompt_tokens: column((f) => usage(f)?.prompt ?? null),
-    completion_tokens: column((f) => usage(f)?.completion ?? null),
-    total_tokens: column((f) => usage(f)?.total ?? null),
-    code: column((f) => failure(f)?.code ?? null),
-    detail: column((f) => failure(f)?.detail ?? null),
-    upstream_status: column((f) => f.upstreamStatus),
-    duration_ms: column((f) => f.durationMs),
-    delay_ms: column((f) => (f.kind === 'retry' ? f.delayMs : null)),
-    uncharged_delay_ms: column((f) => (f.kind === 'retry' ? f.unchargedDelayMs : null)),
-    pause_ms: column((f) => failure(f)?.pauseMs ?? null),
+    ...columnArrays(FINISH_COLUMNS, finishes),
     max_attempts: settings.maxAttempts,
     window_ms: rules.windowMs,
     open_after_streak: rules.openAfterStreak,
@@ -144,32 +127,36 @@ interface FinishRow {
   lane_changes: { lane_id: string; upstream: string; model: string; from: LaneChange['from']; to: LaneChange['to']; last_error: string | null }[];
 }
 
+const failure = (finish: Finish) => (finish.kind === 'completed' ? undefined : finish);
+const usage = (finish: Finish) => (finish.kind === 'completed' ? finish.usage : undefined);
+
+/** The finish statement's input columns, each with its type and where a finish has it. */
+const FINISH_COLUMNS = [
+  ['id', 'text', (f: Finish) => f.id],
+  ['attempt', 'int', (f: Finish) => f.attempt],
+  ['kind', 'text', (f: Finish) => f.kind],
+  ['fault', 'text', (f: Finish) => failure(f)?.fault ?? null],
+  ['result', 'text', (f: Finish) => (f.kind === 'completed' ? f.result : null)],
+  ['prompt_tokens', 'int', (f: Finish) => usage(f)?.prompt ?? null],
+  ['completion_tokens', 'int', (f: Finish) => usage(f)?.completion ?? null],
+  ['total_tokens', 'int', (f: Finish) => usage(f)?.total ?? null],
+  ['code', 'text', (f: Finish) => failure(f)?.code ?? null],
+  ['detail', 'text', (f: Finish) => failure(f)?.detail ?? null],
+  ['upstream_status', 'int', (f: Finish) => f.upstreamStatus],
+  ['duration_ms', 'int', (f: Finish) => f.durationMs],
+  ['delay_ms', 'float8', (f: Finish) => (f.kind === 'retry' ? f.delayMs : null)],
+  ['uncharged_delay_ms', 'float8', (f: Finish) => (f.kind === 'retry' ? f.unchargedDelayMs : null)],
+  ['pause_ms', 'float8', (f: Finish) => failure(f)?.pauseMs ?? null],
+] as const satisfies readonly InputColumn<Finish>[];
+
 const finishStatement = statement(
   [
-    'id', 'attempt', 'kind', 'fault', 'result', 'prompt_tokens', 'completion_tokens', 'total_tokens', 'code',
-    'detail', 'upstream_status', 'duration_ms', 'delay_ms', 'uncharged_delay_ms', 'pause_ms', 'max_attempts',
-    'window_ms', 'open_after_streak', 'window_min_failures', 'probe_min_ms', 'probe_max_ms',
+    ...FINISH_COLUMNS.map(([name]) => name),
+    'max_attempts', 'window_ms', 'open_after_streak', 'window_min_failures', 'probe_min_ms', 'probe_max_ms',
   ] as const,
   (v) => sql<FinishRow>`
     with input as (
-      select * from unnest(
-        ${v.id}::text[],
-        ${v.attempt}::int[],
-        ${v.kind}::text[],
-        ${v.fault}::text[],
-        ${v.result}::text[],
-        ${v.prompt_tokens}::int[],
-        ${v.completion_tokens}::int[],
-        ${v.total_tokens}::int[],
-        ${v.code}::text[],
-        ${v.detail}::text[],
-        ${v.upstream_status}::int[],
-        ${v.duration_ms}::int[],
-        ${v.delay_ms}::float8[],
-        ${v.uncharged_delay_ms}::float8[],
-        ${v.pause_ms}::float8[]
-      ) with ordinality as t(id, attempt, kind, fault, result, prompt_tokens, completion_tokens, total_tokens, code, detail,
-                              upstream_status, duration_ms, delay_ms, uncharged_delay_ms, pause_ms, ord)
+      ${unnestRows(FINISH_COLUMNS, v)}
     ), current as (
       -- The requests still running these very attempts, and their lanes as they were before.
       select input.*, requests.mode, requests.charged_attempts, requests.lane_id,
@@ -394,42 +381,29 @@ type Completion = Extract<Finish, { kind: 'completed' }>;
  * these successes.
  */
 async function finishCompletions(db: Db, completions: readonly Completion[], rules: LaneHealthRules): Promise<Finished[] | undefined> {
-  const column = <T>(pick: (completion: Completion) => T) => completions.map(pick);
-  const { rows } = await completionsStatement.execute(db, {
-    id: column((c) => c.id),
-    attempt: column((c) => c.attempt),
-    lane_id: column((c) => c.laneId),
-    result: column((c) => c.result),
-    prompt_tokens: column((c) => c.usage.prompt),
-    completion_tokens: column((c) => c.usage.completion),
-    total_tokens: column((c) => c.usage.total),
-    upstream_status: column((c) => c.upstreamStatus),
-    duration_ms: column((c) => c.durationMs),
-    window_ms: rules.windowMs,
-  });
+  const { rows } = await completionsStatement.execute(db, { ...columnArrays(COMPLETION_COLUMNS, completions), window_ms: rules.windowMs });
   if (!rows[0]?.plain) return undefined;
   return rows.map((row) => (row.applied ? { status: 'completed', charged: null } : null));
 }
 
+/** The lean statement's input columns, each with its type and where a completion has it. */
+const COMPLETION_COLUMNS = [
+  ['id', 'text', (c: Completion) => c.id],
+  ['attempt', 'int', (c: Completion) => c.attempt],
+  ['lane_id', 'bigint', (c: Completion) => c.laneId],
+  ['result', 'text', (c: Completion) => c.result],
+  ['prompt_tokens', 'int', (c: Completion) => c.usage.prompt],
+  ['completion_tokens', 'int', (c: Completion) => c.usage.completion],
+  ['total_tokens', 'int', (c: Completion) => c.usage.total],
+  ['upstream_status', 'int', (c: Completion) => c.upstreamStatus],
+  ['duration_ms', 'int', (c: Completion) => c.durationMs],
+] as const satisfies readonly InputColumn<Completion>[];
+
 const completionsStatement = statement(
-  [
-    'id', 'attempt', 'lane_id', 'result', 'prompt_tokens', 'completion_tokens', 'total_tokens',
-    'upstream_status', 'duration_ms', 'window_ms',
-  ] as const,
+  [...COMPLETION_COLUMNS.map(([name]) => name), 'window_ms'] as const,
   (v) => sql<{ plain: boolean; applied: boolean }>`
     with input as (
-      select * from unnest(
-        ${v.id}::text[],
-        ${v.attempt}::int[],
-        ${v.lane_id}::bigint[],
-        ${v.result}::text[],
-        ${v.prompt_tokens}::int[],
-        ${v.completion_tokens}::int[],
-        ${v.total_tokens}::int[],
-        ${v.upstream_status}::int[],
-        ${v.duration_ms}::int[]
-      ) with ordinality as t(id, attempt, lane_id, result, prompt_tokens, completion_tokens, total_tokens,
-                              upstream_status, duration_ms, ord)
+      ${unnestRows(COMPLETION_COLUMNS, v)}
     ), lanes_plain as (
       select not exists (
         select from gateway.lanes
