@@ -33,6 +33,14 @@ export interface BatcherOptions<Item> {
 /** The byte budget of a group of large items (request bodies, results): 16 MiB. */
 export const GROUP_BYTES = 16 * 1024 * 1024;
 
+/**
+ * A request body larger than this goes through Postgres apart from the others: its insert in a
+ * group of its own (requests/insert-batcher.ts), and left out of the claim that starts it, for
+ * the worker to read alone (lanes/repository.ts). A body of megabytes takes Postgres a while to
+ * write and to read, and would hold up every request of the statement it shared.
+ */
+export const LARGE_BODY_BYTES = 64 * 1024;
+
 /** What `write` returns per item: its result, or a promise of it when it is found apart from its group's. */
 type Written<Result> = Result | Promise<Result>;
 

@@ -567,6 +567,10 @@ export interface Requests {
    */
   body: Json | null;
   /**
+   * Size of body in bytes (its JSON text as stored); null for requests stored before sql/000024.sql.
+   */
+  body_bytes: number | null;
+  /**
    * SHA-256 of body; a repeated idempotency key must come with the same body.
    */
   body_sha256: Buffer;

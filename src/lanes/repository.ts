@@ -3,6 +3,7 @@
 // (gateway.claim_queue); and the lanes' state for operators.
 import { sql, type Selectable } from 'kysely';
 import type { Database } from '../db/database.ts';
+import { LARGE_BODY_BYTES } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
 import { statement } from '../db/statement.ts';
 import type { KeyMode } from '../ids.ts';
@@ -100,8 +101,11 @@ export interface StartedAttempt {
   /** Attempts charged to the request before this one (MAX_ATTEMPTS counts these). */
   charged: number;
   laneId: string;
-  /** JSON text of the upstream body. */
-  body: string;
+  /**
+   * JSON text of the upstream body; undefined for one of more than LARGE_BODY_BYTES, which the
+   * claim leaves out, for the worker to read apart (worker/attempts.ts).
+   */
+  body: string | undefined;
 }
 
 /**
@@ -162,14 +166,17 @@ const claimStatement = statement(
            extract(epoch from room_at - now())::float8 * 1000 as room_in_ms
     from gateway.claim_queue(${v.queue_id}::bigint, ${v.max}::int, ${v.worker_id}::text, ${v.lane_ids}::bigint[],
                              ${v.max_concurrent}::int[], ${v.requests_per_minute}::int[], ${v.tokens_per_minute}::int[],
-                             ${sql.lit(LANE_PACING.pace)}::float8, ${sql.lit(LANE_PACING.burstSeconds)}::float8)
+                             ${sql.lit(LANE_PACING.pace)}::float8, ${sql.lit(LANE_PACING.burstSeconds)}::float8,
+                             ${sql.lit(LARGE_BODY_BYTES)}::int)
     cross join (select set_config('synchronous_commit', 'off', true)) as commit_without_flush
   `,
 );
 
 /**
  * Starts up to `max` attempts of the queue for `workerId` on its lanes, the first preferred,
- * each within its health and limits, in the projects' turns.
+ * each within its health and limits, in the projects' turns. Each comes with its body, unless it
+ * is a large one: reading megabytes out of Postgres takes a while, and the claim's other calls
+ * would wait for it.
  *
  * The claim's transaction commits without waiting for its WAL to reach the disk
  * (synchronous_commit off for it alone): nobody is told of a claim, the worker only calls the
@@ -204,7 +211,7 @@ export async function claimQueue(
       charged: row.charged!,
       laneId: row.lane_id!,
       probe: row.probe!,
-      body: row.body!,
+      body: row.body ?? undefined,
     })),
     waiting: summary.waiting ?? false,
     roomInMs: summary.room_in_ms ?? undefined,

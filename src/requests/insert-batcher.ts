@@ -3,8 +3,10 @@
 // serve the whole group. Each submission still waits for its own commit before it is
 // acknowledged. A nonce repeated within one group is a replay: only its first use is written.
 // A group holds GROUP_BYTES of request bodies at most (up to MAX_BODY_BYTES each). Large bodies
-// go in groups of their own, written one at a time beside the others' (LARGE_BODY_BYTES).
-import { Batcher, GROUP_BYTES, writeFirsts } from '../db/batcher.ts';
+// go in groups of their own, written one at a time beside the others' (LARGE_BODY_BYTES), so that
+// a project sending large ones does not hold every other project's requests up behind them: a
+// group of megabytes takes Postgres a while to write, and a queue of them would take every slot.
+import { Batcher, GROUP_BYTES, LARGE_BODY_BYTES, writeFirsts } from '../db/batcher.ts';
 import type { Db } from '../db/pool.ts';
 import type { Nonce } from '../keys/repository.ts';
 import { insertRequests, type InsertResult, type NewRequest } from './insert-repository.ts';
@@ -16,11 +18,6 @@ import { insertRequests, type InsertResult, type NewRequest } from './insert-rep
 const FALLBACK_MARGIN_MS = 500;
 // Queues remembered at most before the fallbacks already due are forgotten.
 const MAX_FALLBACKS = 10_000;
-
-// Bodies larger than this are grouped apart and written a statement at a time, so that a project
-// sending large ones does not hold every other project's requests up behind them: a group of
-// megabytes takes Postgres a while to write, and a queue of them would take every slot.
-const LARGE_BODY_BYTES = 64 * 1024;
 
 interface Item {
   request: NewRequest;

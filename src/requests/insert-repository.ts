@@ -118,9 +118,9 @@ function insertStatement(input: (values: Record<StatementValue, RawBuilder<unkno
          or exists (select from nonces where nonces.api_key_id = input.api_key_id and nonces.nonce = input.nonce)
     ), inserted as (
       insert into gateway.requests
-        (id, project_id, mode, api_key_id, model, body, body_sha256, idempotency_key, queue_id,
+        (id, project_id, mode, api_key_id, model, body, body_bytes, body_sha256, idempotency_key, queue_id,
          prompt_tokens_estimate, status, attempts, lane_id, next_attempt_at, deadline_at)
-      select id, project_id, mode, api_key_id, model, body::json, body_sha256, idempotency_key, queue_id,
+      select id, project_id, mode, api_key_id, model, body::json, octet_length(body), body_sha256, idempotency_key, queue_id,
              prompt_tokens_estimate,
              case when starts then 'processing' else 'queued' end, case when starts then 1 else 0 end,
              case when starts then start_lane_id end, case when starts then null else now() end,

@@ -1,7 +1,8 @@
 // SQL of the worker's side of requests: recording how attempts ended (they are started by
 // gateway.claim_queue, see lanes/repository.ts), and with them what the lanes learn (pauses,
 // tokens, health); finding those whose worker died (the supervisor's sweep); and what the
-// dispatcher and the runner ask of a request: has it ended, and in which queue does it wait.
+// dispatcher and the runner ask of a request: has it ended, in which queue does it wait, and
+// what is its body, when its claim left a large one out.
 import { sql, type Selectable } from 'kysely';
 import type { RequestAttemptsTable, RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
@@ -485,6 +486,17 @@ export async function findRequestQueue(db: Db, id: string): Promise<string | und
     .where('finished_at', 'is', null)
     .executeTakeFirst();
   return row?.queue_id ?? undefined;
+}
+
+/**
+ * The body of a request that is still running, as JSON text: a claim leaves out a large one
+ * (lanes/repository.ts claimQueue). undefined once the request has ended.
+ */
+export async function findBody(db: Db, id: string): Promise<string | undefined> {
+  const { rows } = await sql<{ body: string | null }>`
+    select body::text as body from gateway.requests where id = ${id} and finished_at is null
+  `.execute(db);
+  return rows[0]?.body ?? undefined;
 }
 
 /** Of these requests, those that have ended. */

@@ -15,6 +15,10 @@
 // its attempt running in the database: the supervisor's sweep, in another worker or in this one
 // started again, records it as worker_lost once this worker's heartbeat is gone, and its
 // request is retried.
+//
+// A claim leaves a large body out (lanes/repository.ts): its attempt reads it first, one at a
+// time in this process, so that a project's prompts of megabytes hold no other request up, in
+// their claim or in the worker's pool.
 import { doubling, jitter } from '../client/backoff.ts';
 import type { Config } from '../config.ts';
 import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
@@ -30,7 +34,7 @@ import { UpstreamClient } from '../upstream/openai.ts';
 import { ATTEMPT_ERRORS, type AttemptErrorCode, type AttemptOutcome } from '../upstream/outcome.ts';
 import { simulate } from '../upstream/simulator.ts';
 import { LANE_HEALTH } from '../lanes/health.ts';
-import { finishAttempts, type Finish, type Finished, type LostAttempt } from './attempts-repository.ts';
+import { findBody, finishAttempts, type Finish, type Finished, type LostAttempt } from './attempts-repository.ts';
 import { reportLaneChange } from './lane-changes.ts';
 
 export interface AttemptDeps {
@@ -137,6 +141,11 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     onDone: (seconds) => deps.metrics.durableWrites.observe({ write: 'finish' }, seconds),
   });
   const abandoning = new AbortController();
+  // Large bodies, read one at a time (each holds a connection while megabytes come through it).
+  const largeBodies = new Batcher<string, string | undefined>(async ([id]) => [await findBody(deps.db, id!)], {
+    maxInFlight: 1,
+    maxBatch: 1,
+  });
   /**
    * Records a finish, retrying while the database is unavailable: until abandoned, or for
    * `maxWaitMs`. The waiters of this process hear of it (`result`: a completion's, to hand over).
@@ -168,8 +177,12 @@ export function createAttempts(deps: AttemptDeps): Attempts {
   }
 
   async function run(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<number | undefined> {
+    const body = started.body ?? (await largeBody(started.id, signal));
     const begun = performance.now();
-    let outcome = await call(target, started, signal);
+    let outcome: AttemptOutcome =
+      body === undefined
+        ? { ok: false, code: 'worker_lost', detail: "the worker could not read the request's body", upstreamStatus: null }
+        : await call(target, started, body, signal);
     const durationMs = Math.round(performance.now() - begun);
     if (signal.reason === ABORTED_AS_ENDED) {
       deps.metrics.attempts.inc({ mode: target.mode, outcome: 'cancelled', code: 'none' });
@@ -208,8 +221,8 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     return undefined;
   }
 
-  async function call(target: CallTarget, started: StartedAttempt, signal: AbortSignal): Promise<AttemptOutcome> {
-    const request = { body: target.model === undefined ? started.body : renamed(started.body, target.model), signal };
+  async function call(target: CallTarget, started: StartedAttempt, body: string, signal: AbortSignal): Promise<AttemptOutcome> {
+    const request = { body: target.model === undefined ? body : renamed(body, target.model), signal };
     try {
       return target.upstream === undefined
         ? await simulate({ ...request, attempt: started.attempt })
@@ -219,6 +232,23 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       // recorded as an invalid response so the request still ends (after its retries).
       log.error({ requestId: started.id, err: errorSummary(error) }, 'upstream call failed unexpectedly');
       return { ok: false, code: 'upstream_invalid_response', detail: 'the answer could not be processed', upstreamStatus: null };
+    }
+  }
+
+  /**
+   * The body that the attempt's claim left out, read while the database stays unavailable, until
+   * the call is aborted or the recordings abandoned. undefined if it could not be read, or its
+   * request has ended meanwhile (the call is aborted then too).
+   */
+  async function largeBody(requestId: string, signal: AbortSignal): Promise<string | undefined> {
+    try {
+      return await whileUnavailable(() => largeBodies.submit(requestId), {
+        signal: AbortSignal.any([signal, abandoning.signal]),
+        log: { logger: log, message: "database unavailable; retrying the read of a request's body until it is back", fields: { requestId } },
+      });
+    } catch (error) {
+      if (!signal.aborted) log.error({ requestId, err: errorSummary(error) }, "could not read a request's body");
+      return undefined;
     }
   }
 
