@@ -42,10 +42,17 @@ const p50 = (values: number[]) => [...values].sort((a, b) => a - b)[Math.floor(v
 t.test('two deployments, the primary down (503) for 120 s: every request completes on the secondary, those after the lane opened straight there, then back to the primary', async (t) => {
   const primary = await startFakeUpstream(t, outageReply({ kind: 'healthy' }, LATENCY_MS));
   const secondary = await startFakeUpstream(t, outageReply({ kind: 'healthy' }, LATENCY_MS));
-  const gateway = await startOutageGateway(t, [
-    { name: 'primary', base_url: primary.baseUrl, models: [MODEL] },
-    { name: 'secondary', base_url: secondary.baseUrl, models: [{ [MODEL]: SECONDARY_MODEL }] },
-  ]);
+  // Every call here is answered at once (the primary's 503s) or in about 300 ms: the suite's 2 s
+  // timeout would only time out a call that this busy test process, where the gateway and both
+  // upstreams run, was slow to get to, and fail the secondary for it.
+  const gateway = await startOutageGateway(
+    t,
+    [
+      { name: 'primary', base_url: primary.baseUrl, models: [MODEL] },
+      { name: 'secondary', base_url: secondary.baseUrl, models: [{ [MODEL]: SECONDARY_MODEL }] },
+    ],
+    { UPSTREAM_TIMEOUT_MS: '10000' },
+  );
   const key = await gateway.createKey({ project: 'outages-fallback', mode: 'live' });
 
   const warmUp = await post(gateway.url, key, 'fallback warm-up');
@@ -122,7 +129,10 @@ t.test('two deployments, the primary down (503) for 120 s: every request complet
   const probed = afterOpen.filter((request) => request.attempt_rows.some((attempt) => attempt.upstream === 'primary'));
   const straight = afterOpen.filter((request) => !probed.includes(request));
   t.same(
-    straight.filter((request) => request.attempt_rows.length !== 1 || request.attempt_rows[0]!.upstream !== 'secondary').map((request) => request.attempt_rows.map((attempt) => `${attempt.upstream} ${attempt.outcome}`).join(', ')).slice(0, 10),
+    straight
+      .filter((request) => request.attempt_rows.length !== 1 || request.attempt_rows[0]!.upstream !== 'secondary')
+      .map((request) => request.attempt_rows.map((attempt) => `${attempt.upstream} ${attempt.outcome}${attempt.error_code ? ` (${attempt.error_code}: ${attempt.error_detail})` : ''}`).join(', '))
+      .slice(0, 10),
     [],
     `accepted after the lane opened: one attempt, on the secondary (${straight.length} of ${afterOpen.length}; the other ${probed.length} carried a probe of the primary first)`,
   );
