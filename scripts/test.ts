@@ -2,7 +2,7 @@
 // under .data/ when it is unset), a template database migrated once, then tap. Each test file
 // clones the template into a database of its own (test/helpers/database.ts).
 //
-// tap runs in three rounds:
+// tap runs in four rounds:
 // 1. the files that may run beside others, `tap.jobs` of them at once: short, and timing nothing.
 //    Those of LEADING, the longest (12 to 60 s), about half of the round's time together, go in a
 //    tap run of their own with half of the jobs, beside a run of the rest with the other half: in
@@ -10,16 +10,16 @@
 //    it up alone on a machine left half idle;
 // 2. the few that take a minute or more (LONG), all at once: an upstream down for two minutes at
 //    four requests a second, a webhook receiver down for thirty, a worker killed and waited for.
-//    Each waits far more than it computes: together they use about one of two cores. Beside
-//    them, in tap runs of their own, the files of `tap.serial` go one at a time: those that time
-//    or load the machine, and would fail for want of CPU on two cores beside several other
-//    files. Those of LOADED, which keep both cores busy, go last, once most of the long files
-//    have ended: at the start, beside all eleven, they held up the chaos upstream's worker
-//    longer than its checks allow for. (Within the first round, the long files would start
-//    late, in the order of the files' paths, and end it alone on an idle machine; beside its
-//    other files, some failed their time bounds; and one after another they took twelve
-//    minutes.)
-// 3. the files of ALONE, one at a time with nothing beside them: the noisy neighbour, whose
+//    Each waits far more than it computes: together they use about one of two cores, and on a
+//    slow machine nearly both. (Within the first round, the long files would start late, in the
+//    order of the files' paths, and end it alone on an idle machine; beside its other files, some
+//    failed their time bounds; and one after another they took twelve minutes.)
+// 3. after them, the files of `tap.serial` one at a time: those that time or load the machine,
+//    and would fail for want of CPU on two cores beside other files. Those of LOADED, which keep
+//    both cores busy, last. (They ran beside the long files until a machine twice as slow as
+//    the others failed four of them and two of the long ones there, a different one in each run,
+//    in four runs out of five.)
+// 4. the files of ALONE, one at a time with nothing beside them: the noisy neighbour, whose
 //    figure is a ratio of latencies that any other work on the machine skews, and the replanning
 //    test, whose early plans any cluster-wide cache reset replaces.
 // (tap alone runs a serial file only once every file before it has ended: among the others,
@@ -112,24 +112,11 @@ try {
   } else if (leading.length + beside.length > 0) {
     codes.push((await runTap([...options, ...leading, ...beside], env)).code);
   }
-  // The long files in one tap run, and beside it the serial ones in two after each other (tap
-  // runs its files in the order of their paths). The serial runs' output is held and printed
-  // once all have ended, so that no line is cut into another's.
-  const held = long.length > 0;
-  const runSerial = async () => {
-    const runs = [];
-    for (const files of [serial, loaded]) {
-      if (files.length > 0) runs.push(await runTap(['--jobs=1', ...options, ...files], env, { held }));
-    }
-    return runs;
-  };
-  const [longRun, serialRuns] = await Promise.all([
-    long.length > 0 ? runTap([`--jobs=${long.length}`, ...options, ...long], env) : undefined,
-    runSerial(),
-  ]);
-  for (const run of [...(longRun ? [longRun] : []), ...serialRuns]) {
-    run.print();
-    codes.push(run.code);
+  // The long files in one tap run; then the serial ones, in two runs after each other (tap runs
+  // its files in the order of their paths).
+  if (long.length > 0) codes.push((await runTap([`--jobs=${long.length}`, ...options, ...long], env)).code);
+  for (const files of [serial, loaded]) {
+    if (files.length > 0) codes.push((await runTap(['--jobs=1', ...options, ...files], env)).code);
   }
   if (alone.length > 0) codes.push((await runTap(['--jobs=1', ...options, ...alone], env)).code);
   exitCode = codes.find((code) => code !== 0) ?? 0;
