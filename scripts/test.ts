@@ -16,9 +16,8 @@
 //    failed their time bounds; and one after another they took twelve minutes.)
 // 3. after them, the files of `tap.serial` one at a time: those that time or load the machine,
 //    and would fail for want of CPU on two cores beside other files. Those of LOADED, which keep
-//    both cores busy, last. (They ran beside the long files until a machine twice as slow as
-//    the others failed four of them and two of the long ones there, a different one in each run,
-//    in four runs out of five.)
+//    both cores busy, last. (Beside the long files, on a machine twice as slow as the others, a
+//    time bound of one file or another, serial or long, failed in four runs out of five.)
 // 4. the files of ALONE, one at a time with nothing beside them: the noisy neighbour, whose
 //    figure is a ratio of latencies that any other work on the machine skews, and the replanning
 //    test, whose early plans any cluster-wide cache reset replaces.
