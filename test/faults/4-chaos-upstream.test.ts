@@ -144,9 +144,12 @@ function crossCheck(request: RequestWithAttempts, calls: ChaosCall[]): { problem
     // more before) and before this process received the call. An answer ended sooner than the
     // timeout counted from started_at was in time; a later one may have been, or not: the gateway
     // alone knows which of the two it saw. So may one that ended just before the deadline, and
-    // reached a worker whose event loop was held up (two busy cores) only after it.
+    // reached a worker whose event loop was held up (two busy cores) only after it: by as much as
+    // the attempt's own timer fired late (its duration_ms past the timeout), a timer coming before
+    // the socket's news in a turn of a late loop.
     const answeredAt = chaos.received.endedAt ?? Number.POSITIVE_INFINITY;
-    const lateFromStart = answeredAt >= attempt.started_at.getTime() + UPSTREAM_TIMEOUT_MS - EVENT_LOOP_SLACK_MS;
+    const timerLateMs = attempt.error_code === 'upstream_timeout' ? Math.max(0, (attempt.duration_ms ?? 0) - UPSTREAM_TIMEOUT_MS) : 0;
+    const lateFromStart = answeredAt >= attempt.started_at.getTime() + UPSTREAM_TIMEOUT_MS - EVENT_LOOP_SLACK_MS - timerLateMs;
     if (lateFromStart && attempt.error_code === 'upstream_timeout' && code !== 'upstream_timeout') {
       code = expected[index] = 'upstream_timeout';
       late += 1;
