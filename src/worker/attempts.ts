@@ -25,6 +25,7 @@ import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
 import { errorSummary, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN } from '../grace.ts';
+import { Line } from '../line.ts';
 import type { KeyMode } from '../ids.ts';
 import type { StartedAttempt } from '../lanes/repository.ts';
 import { SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
@@ -142,10 +143,8 @@ export function createAttempts(deps: AttemptDeps): Attempts {
   });
   const abandoning = new AbortController();
   // Large bodies, read one at a time (each holds a connection while megabytes come through it).
-  const largeBodies = new Batcher<string, string | undefined>(async ([id]) => [await findBody(deps.db, id!)], {
-    maxInFlight: 1,
-    maxBatch: 1,
-  });
+  // None is refused: each belongs to a call already claimed, and capacity bounds those.
+  const largeBodies = new Line({ inFlight: 1, waiting: Number.POSITIVE_INFINITY, refusal: () => new Error('unreachable: the line of large bodies is unbounded') });
   /**
    * Records a finish, retrying while the database is unavailable: until abandoned, or for
    * `maxWaitMs`. The waiters of this process hear of it (`result`: a completion's, to hand over).
@@ -242,7 +241,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
    */
   async function largeBody(requestId: string, signal: AbortSignal): Promise<string | undefined> {
     try {
-      return await whileUnavailable(() => largeBodies.submit(requestId), {
+      return await whileUnavailable(() => largeBodies.run(() => findBody(deps.db, requestId)), {
         signal: AbortSignal.any([signal, abandoning.signal]),
         log: { logger: log, message: "database unavailable; retrying the read of a request's body until it is back", fields: { requestId } },
       });

@@ -26,6 +26,7 @@ t.test('the upstream hangs every call for 120 s while 500 requests arrive: none 
   const durations = requests.flatMap((request) =>
     request.attempt_rows.filter((attempt) => attempt.error_code === 'upstream_timeout').map((attempt) => attempt.duration_ms ?? Infinity),
   );
+  t.ok(durations.length >= hung.length, `a timed-out attempt for each hung call (${durations.length} for ${hung.length})`);
   t.same(
     durations.filter((ms) => ms < UPSTREAM_TIMEOUT_MS - 1_000 || ms > UPSTREAM_TIMEOUT_MS + 3_000),
     [],
