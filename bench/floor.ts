@@ -6,6 +6,10 @@
 //
 //   DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres node bench/floor.ts
 //
+// FLOOR_FLUSHES=1: the insert's commit does not wait for its flush (synchronous_commit off on its
+// connection), and the finish's flush carries the insert's WAL with it: the floor of a server that
+// flushes once per request.
+//
 // The server runs in a process of its own (this file, with `serve`), on a database of its own,
 // dropped at the end. DATABASE_URL unset: the benchmark's embedded cluster under .data/.
 import { spawn } from 'node:child_process';
@@ -20,6 +24,8 @@ import { openServer } from './postgres.ts';
 
 const CALL_MS = 50;
 const RATES = [20, 200];
+const FLUSHES = Number(process.env.FLOOR_FLUSHES ?? 2);
+if (FLUSHES !== 1 && FLUSHES !== 2) throw new Error(`FLOOR_FLUSHES: 1 or 2, not ${process.env.FLOOR_FLUSHES}`);
 const WARMUP_MS = 3_000;
 const DURATION_MS = Number(process.env.BENCH_DURATION ?? 10) * 1000;
 const BODY = JSON.stringify({ model: 'test-delay-50', messages: [{ role: 'user', content: 'How far down is the floor?' }], wait: true });
@@ -27,6 +33,12 @@ const ANSWER = JSON.stringify({ object: 'chat.completion', choices: [{ index: 0,
 
 if (process.argv[2] === 'serve') await serve(Number(process.argv[3]), process.argv[4]!);
 else await measure();
+
+/** The insert; with one flush, its transaction commits without waiting for it (as a claim of the gateway's does). */
+const STORE =
+  FLUSHES === 2
+    ? 'insert into floor_requests (body) values ($1) returning id'
+    : "with stored as (insert into floor_requests (body) values ($1) returning id) select id from stored cross join (select set_config('synchronous_commit', 'off', true)) as commit_without_flush";
 
 async function serve(port: number, url: string): Promise<void> {
   const pool = new pg.Pool({ connectionString: url, max: 4 });
@@ -38,7 +50,7 @@ async function serve(port: number, url: string): Promise<void> {
       try {
         const { rows } = await pool.query<{ id: string }>({
           name: 'store',
-          text: 'insert into floor_requests (body) values ($1) returning id',
+          text: STORE,
           values: [Buffer.concat(chunks).toString()],
         });
         await new Promise((resolve) => setTimeout(resolve, CALL_MS));
@@ -78,7 +90,7 @@ async function measure(): Promise<void> {
       });
       const overhead = (p: number) => `${(result.latency.percentile(p) - CALL_MS).toFixed(2)} ms`;
       console.log(
-        `floor at ${rate} req/s: ${result.ok} answered correctly, ${result.totalErrors} not; overhead (latency minus ${CALL_MS} ms) ` +
+        `floor${FLUSHES === 1 ? ' (one flush)' : ''} at ${rate} req/s: ${result.ok} answered correctly, ${result.totalErrors} not; overhead (latency minus ${CALL_MS} ms) ` +
           `min ${overhead(0)}, p50 ${overhead(50)}, p90 ${overhead(90)}, p99 ${overhead(99)}`,
       );
     }
