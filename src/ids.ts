@@ -64,9 +64,9 @@ export const API_KEY = /^svc_(live|test)_[A-Za-z0-9]{32,}$/;
 // characters, then 6 characters of base62 CRC32 of all that comes before them (the prefix too, so
 // a key whose mode was changed fails it). A key made up, mistyped or cut short is then refused
 // from its text alone, without a database read. Keys made before checksums have 40 characters
-// after the prefix, none of them a checksum, and keep working: they are read from the database
-// as before, for as long as any of them is active (keys/unchecksummed.ts). A key of any other
-// length was never issued.
+// after the prefix, none of them a checksum, and keep working: an API process knows which of
+// them are active, and refuses any other key of that form without a read (keys/unchecksummed.ts).
+// A key of any other length was never issued.
 const KEY_PREFIX_LENGTH = 'svc_live_'.length;
 const KEY_RANDOM_LENGTH = 40;
 /** 62^6 > 2^32: six characters hold any CRC32. */
@@ -81,13 +81,16 @@ export function newApiKey(mode: KeyMode): string {
   return unchecked + apiKeyChecksum(unchecked);
 }
 
+/** Whether a well-formed key (API_KEY) is of the form keys had before checksums: 40 characters after the prefix. */
+export const hasNoChecksum = (key: string): boolean => key.length === UNCHECKSUMMED_KEY_LENGTH;
+
 /**
  * Whether a well-formed key (API_KEY) may be one the gateway issued, judged from its text: one
  * of today's length whose checksum matches, or one of the length keys had before checksums while
- * such keys may exist (`unchecksummedMayExist`).
+ * such keys may exist (`unchecksummedMayExist`; which of them do is keys/unchecksummed.ts's).
  */
 export function mayBeIssuedApiKey(key: string, unchecksummedMayExist = true): boolean {
-  if (key.length === UNCHECKSUMMED_KEY_LENGTH) return unchecksummedMayExist;
+  if (hasNoChecksum(key)) return unchecksummedMayExist;
   if (key.length !== CHECKSUMMED_KEY_LENGTH) return false;
   const end = key.length - KEY_CHECKSUM_LENGTH;
   return apiKeyChecksum(key.slice(0, end)) === key.slice(end);

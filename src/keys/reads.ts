@@ -3,9 +3,9 @@
 // come first served. Beyond that a request is refused 503 service_unavailable with retry-after.
 //
 // A flood of keys that pass the checksum (computed by someone who read ids.ts, or of the length
-// keys had before checksums while such keys exist: unchecksummed.ts) then holds a few of the
-// pool's connections, not all of them, and the rest serve the requests of keys the cache holds,
-// which never come here. Why 503 and not 401: the key may be good, it was not looked at, and a
+// keys had before checksums while more of them are active than a process keeps: unchecksummed.ts)
+// then holds a few of the pool's connections, not all of them, and the rest serve the requests of
+// keys the cache holds, which never come here. Why 503 and not 401: the key may be good, it was not looked at, and a
 // client must not be told it is invalid (the client library does not retry a 401; it retries a
 // 503 after its retry-after). Why not 429: that is a key's own rate; this is the process's load,
 // whoever sends it.

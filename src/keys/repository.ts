@@ -76,14 +76,19 @@ export async function insertApiKey(
     .execute();
 }
 
-/** Whether an active key may lack a checksum (made before gateway.api_keys.checksummed was). */
-export async function unchecksummedKeysRemain(db: Db): Promise<boolean> {
-  const row = await db
-    .selectNoFrom((eb) =>
-      eb.exists(eb.selectFrom('api_keys').where('checksummed', '=', false).where('revoked_at', 'is', null)).as('remain'),
-    )
-    .executeTakeFirstOrThrow();
-  return row.remain === true;
+/**
+ * The hashes of the active keys that may lack a checksum (made before
+ * gateway.api_keys.checksummed was), `limit` + 1 at most: more than `limit` says there are more.
+ */
+export async function unchecksummedKeyHashes(db: Db, limit: number): Promise<Buffer[]> {
+  const rows = await db
+    .selectFrom('api_keys')
+    .select('key_sha256')
+    .where('checksummed', '=', false)
+    .where('revoked_at', 'is', null)
+    .limit(limit + 1)
+    .execute();
+  return rows.map((row) => row.key_sha256);
 }
 
 export async function findKeyByHash(db: Db, keySha256: Buffer): Promise<KeyRecord | undefined> {

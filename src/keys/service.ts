@@ -3,7 +3,7 @@
 import * as v from 'valibot';
 import type { Db } from '../db/pool.ts';
 import { authenticationError } from '../errors.ts';
-import { API_KEY, type KeyMode, mayBeIssuedApiKey, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
+import { API_KEY, hasNoChecksum, type KeyMode, mayBeIssuedApiKey, newApiKey, newKeyId, newSigningSecret } from '../ids.ts';
 import type { Auth } from './auth.ts';
 import type { KeyCache } from './cache.ts';
 import type { KeyReads } from './reads.ts';
@@ -79,14 +79,14 @@ export interface KeyChecks {
   reads?: KeyReads | undefined;
   /** Hears of each well-formed key that is not there (never issued, unknown or revoked). */
   onUnknown?: (() => void) | undefined;
-  /** Whether keys without a checksum may exist (unchecksummed.ts); without it, they may. */
-  unchecksummed?: Pick<UnchecksummedKeys, 'mayExist'> | undefined;
+  /** Which keys without a checksum may be active (unchecksummed.ts); without it, any may. */
+  unchecksummed?: Pick<UnchecksummedKeys, 'mayBeActive'> | undefined;
 }
 
 /**
  * The caller behind an Authorization header, or a 401 ApiError. A key the gateway cannot have
- * issued (its checksum does not match: ids.ts), or one without a checksum while no such key
- * exists, is refused without a read.
+ * issued (its checksum does not match: ids.ts), or one without a checksum that is none of the
+ * active keys of that form, is refused without a read.
  */
 export async function authenticate(
   db: Db,
@@ -101,11 +101,11 @@ export async function authenticate(
   }
   const token = BEARER.exec(authorization)?.[1];
   if (token === undefined || !API_KEY.test(token)) throw invalidApiKey();
-  if (!mayBeIssuedApiKey(token, unchecksummed?.mayExist() ?? true)) {
+  const keySha256 = mayBeIssuedApiKey(token) ? hashApiKey(token) : undefined;
+  if (keySha256 === undefined || (hasNoChecksum(token) && unchecksummed?.mayBeActive(keySha256) === false)) {
     onUnknown?.();
     throw invalidApiKey();
   }
-  const keySha256 = hashApiKey(token);
   const cached = cache?.get(keySha256);
   if (cached) return cached;
   const read = reads ? () => reads.run(() => readKey(db, keySha256)) : () => readKey(db, keySha256);

@@ -13,11 +13,9 @@
 //   webhook-hang     A's webhook endpoint accepts connections and never answers, and A sends 150
 //                    free test requests a second, each of which ends in an event for it;
 //   unauthenticated  300 requests a second: a third with random keys of today's length (their
-//                    checksum fails), a third with random keys of the length keys had before
-//                    checksums (40 characters after svc_live_: those the gateway must read from
-//                    the database while a key of that form is active, as one is here, of a
-//                    project C that sends nothing: src/keys/unchecksummed.ts), and a third GET
-//                    /readyz.
+//                    checksum fails), a third with made-up keys whose checksum matches (anyone
+//                    can compute one: those the gateway must read from the database), and a
+//                    third GET /readyz.
 // B: wait=true requests, 10 a second live (the provider answers ~200 ms after a call's body has
 // arrived) and 10 a second test (test-delay-200), and a webhook receiver that answers every
 // delivery, so that B's deliveries are measured too.
@@ -64,10 +62,8 @@ import { availableParallelism } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { formatDiskWaits } from '../../scripts/disk-waits.ts';
-import { randomBase62 } from '../../src/ids.ts';
 import { addEndpoint } from '../../src/webhooks/endpoints.ts';
 import type { CreatedKey } from '../../src/keys/service.ts';
-import { storeKnownKey } from '../helpers/keys.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { faultContext } from './support/context.ts';
 import {
@@ -218,15 +214,6 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
   // NEIGHBOUR_PROFILE=<directory>: the gateway's processes write CPU profiles there (at exit).
   const profile = process.env.NEIGHBOUR_PROFILE ? { NODE_OPTIONS: `--cpu-prof --cpu-prof-dir=${process.env.NEIGHBOUR_PROFILE}` } : {};
   const env = { ...SETTINGS, ...CHANGED, UPSTREAMS_FILE: upstreams, ...profile };
-  // A key of the form before checksums, as a deployment upgraded from then still has: while it
-  // is active, the API reads every key of that form it does not hold.
-  const oldFormKey = await storeKnownKey(faults.db, faults.encryptionKey, {
-    apiKey: `svc_live_${randomBase62(40)}`,
-    project: 'neighbour-c',
-    mode: 'live',
-  });
-  recordSecret(SCENARIO, 'api_key', oldFormKey.api_key);
-  recordSecret(SCENARIO, 'signing_secret', oldFormKey.signing_secret);
   const api = await faults.start('api', { env });
   const worker = await faults.start('worker', { env });
   const metricsUrlOf = (process: typeof api) => {

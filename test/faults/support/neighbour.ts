@@ -22,7 +22,7 @@ import type pg from 'pg';
 import { Agent, request } from 'undici';
 import { DISK_LOOK_MS, DiskWaitTally, processesWaitingOnDisk, type DiskWaitFigures } from '../../../scripts/disk-waits.ts';
 import { stringToSign } from '../../../src/client/signing.ts';
-import { randomBase62, REQUEST_ID } from '../../../src/ids.ts';
+import { newApiKey, randomBase62, REQUEST_ID } from '../../../src/ids.ts';
 import type { CreatedKey } from '../../../src/keys/service.ts';
 import { parseMetrics } from '../../helpers/metrics.ts';
 import { childExecArgv } from '../../helpers/node-child.ts';
@@ -399,9 +399,8 @@ export const ATTACK_RATES: Record<Attack, number> = {
   'test-429': 100,
   'invented-models': 400,
   'webhook-hang': 150,
-  // A third each: keys of today's length with a wrong checksum, keys of the length keys had
-  // before checksums (40 characters: the gateway must read those while a key of that form is
-  // active, as one is in the scenario), and GET /readyz.
+  // A third each: keys with a wrong checksum, made-up keys whose checksum matches (anyone can
+  // compute one: the gateway must read those), and GET /readyz.
   unauthenticated: 300,
 };
 
@@ -532,9 +531,9 @@ function attackSource(attack: Attack, plan: AttackPlan): () => Outgoing {
         const kind = i++ % 3;
         if (kind === 2) return { method: 'GET', path: '/readyz', headers: {}, body: undefined, expect: 'readyz' };
         // Today's keys: 40 random characters and a 6-character checksum, here wrong (a check of
-        // the text refuses them); then keys of the length they had before checksums, which the
-        // gateway cannot refuse without reading them while a key of that form is active.
-        const key = kind === 0 ? `svc_live_${randomBase62(46)}` : `svc_live_${randomBase62(40)}`;
+        // the text refuses them), or right, as anyone can compute it: a made-up key the gateway
+        // cannot refuse without reading it.
+        const key = kind === 0 ? `svc_live_${randomBase62(46)}` : newApiKey('live');
         return {
           method: 'POST',
           path,
