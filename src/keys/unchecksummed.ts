@@ -22,7 +22,7 @@ const RETRY_MS = 5_000;
 
 /**
  * Active keys without a checksum whose hashes a process keeps at most (some 4 MB of memory, and
- * a read of some 3 MB at each change of a key); with more, every key of that form is read.
+ * a read of some 4 MB at each change of a key); with more, every key of that form is read.
  */
 export const MAX_KNOWN = 50_000;
 
