@@ -6,9 +6,9 @@
 //
 //   DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres node bench/floor.ts
 //
-// FLOOR_FLUSHES=1: the insert's commit does not wait for its flush (synchronous_commit off on its
-// connection), and the finish's flush carries the insert's WAL with it: the floor of a server that
-// flushes once per request.
+// FLOOR_FLUSHES=1: the insert's commit does not wait for its flush (synchronous_commit off for its
+// transaction), and the finish's flush carries the insert's WAL with it: the floor of a server
+// that flushes once per request.
 //
 // The server runs in a process of its own (this file, with `serve`), on a database of its own,
 // dropped at the end. DATABASE_URL unset: the benchmark's embedded cluster under .data/.

@@ -5,10 +5,10 @@
 // A flood of keys that pass the checksum (computed by someone who read ids.ts, or of the length
 // keys had before checksums while more of them are active than a process keeps: unchecksummed.ts)
 // then holds a few of the pool's connections, not all of them, and the rest serve the requests of
-// keys the cache holds, which never come here. Why 503 and not 401: the key may be good, it was not looked at, and a
-// client must not be told it is invalid (the client library does not retry a 401; it retries a
-// 503 after its retry-after). Why not 429: that is a key's own rate; this is the process's load,
-// whoever sends it.
+// keys the cache holds, which never come here. Why 503 and not 401: the key may be good, it was
+// not looked at, and a client must not be told it is invalid (the client library does not retry
+// a 401; it retries a 503 after its retry-after). Why not 429: that is a key's own rate; this is
+// the process's load, whoever sends it.
 import { serviceUnavailable } from '../errors.ts';
 import { Line } from '../line.ts';
 
