@@ -366,7 +366,7 @@ export async function runAdminCommand(
   );
   const database = await openDatabase(config, logger);
   const effective = database.embedded ? await withLocalSecrets(config) : config;
-  const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger });
+  const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger, genericPlans: false });
   try {
     if (!options.anySchema) await assertSchemaCurrent(pool);
     io.out(await command(createDb(pool), { pool, logger, config: effective }));

@@ -15,7 +15,25 @@ export interface PoolOptions {
   /** Shown in pg_stat_activity.application_name, so operators can tell the roles apart. */
   applicationName: string;
   logger: Logger;
+  /**
+   * Plans each named statement once per connection (GENERIC_PLANS), as the service's pools do;
+   * false for a command's pool, whose statements run once each and are best planned for their values.
+   */
+  genericPlans?: boolean;
 }
+
+/**
+ * The session setting of a pool with generic plans. Left to itself, Postgres plans a prepared
+ * statement afresh for the values of each of its first five runs on a connection, and then for
+ * every run whose values it judges would make a cheaper plan than the generic one. A statement
+ * that takes a group of rows as arrays (`unnest($1::text[], ...)`) is always judged so: the generic
+ * plan counts a hundred rows in each array, the fresh one the few it holds. Without this setting,
+ * the grouped statements on every request's path are planned at nearly every run, and planning
+ * the full finish of a group of attempts takes 2 to 6 ms, more than running it. Their generic
+ * plans join a group to the tables' indexes as the fresh ones do, and a connection makes them
+ * again every REPLAN_EVERY statements, with the tables as they are then (see below).
+ */
+export const GENERIC_PLANS = 'plan_cache_mode = force_generic_plan';
 
 export function createPool(connectionString: string, options: PoolOptions): pg.Pool {
   const pool = new pg.Pool({
@@ -30,6 +48,7 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
     idle_in_transaction_session_timeout: 60_000,
     keepAlive: true,
   });
+  const genericPlans = options.genericPlans ?? true;
   // A client losing its connection emits 'error', which would crash the process with nobody
   // listening: idle clients on the pool, checked-out ones on the client (whose query then
   // fails, and is handled where it was made). The pool replaces lost clients by itself.
@@ -37,6 +56,9 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
     options.logger.warn({ err: errorSummary(error), pool: options.applicationName }, 'idle database connection lost');
   });
   pool.on('connect', (client) => {
+    // Queued before any statement of the caller the connection is handed to. Should it fail, the
+    // connection is lost, and so the caller's statement fails too, and is reported.
+    if (genericPlans) client.query(`set ${GENERIC_PLANS}`).catch(() => {});
     client.on('error', (error) => {
       // Emitted before pg fails the statements under way on this client, so their failures are
       // known for a lost connection's (isDatabaseUnavailable).
@@ -61,8 +83,8 @@ const statementNames = new Map<string, string>();
 /**
  * Named statements a connection runs between two `DISCARD PLANS`.
  *
- * A prepared statement soon settles on one generic plan, made with the tables as they were then,
- * and Postgres keeps it until the tables are next analyzed: by autovacuum, or never where it is
+ * A prepared statement's generic plan (the only one, with GENERIC_PLANS; else the one most settle
+ * on after their first runs) is made with the tables as they were then, and Postgres keeps it until the tables are next analyzed: by autovacuum, or never where it is
  * off. Made while they were nearly empty (a new database, the first seconds after start), that
  * plan joins a group of rows to a sequential scan of each table, however much the tables grow
  * (thousands of rows read to update two). Dropping a connection's plans now and then has them
