@@ -272,7 +272,7 @@ export async function start(baseConfig: Config): Promise<void> {
   const database = await openDatabase(baseConfig, logger);
   try {
     const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
-    const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger });
+    const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger, genericPlans: false });
     await migrate(pool, logger).finally(() => pool.end());
     const gateway = await startRole({
       config,
@@ -320,7 +320,7 @@ async function startApiCluster(options: {
   const { config, logger, role, databaseUrl } = options;
   // An API process whose keys cannot decrypt the signing secrets stops at once; the primary
   // checks first, rather than replace such processes for ever.
-  const checkPool = createPool(databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger });
+  const checkPool = createPool(databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger, genericPlans: false });
   await assertSecretsDecrypt(createDb(checkPool), config).finally(() => checkPool.end());
   return startCluster({
     config,
