@@ -47,8 +47,13 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
     statement_timeout: 30_000,
     idle_in_transaction_session_timeout: 60_000,
     keepAlive: true,
+    // On each new connection, before any statement of the caller it is handed to.
+    ...((options.genericPlans ?? true) && {
+      onConnect: async (client: pg.ClientBase) => {
+        await client.query(`set ${GENERIC_PLANS}`);
+      },
+    }),
   });
-  const genericPlans = options.genericPlans ?? true;
   // A client losing its connection emits 'error', which would crash the process with nobody
   // listening: idle clients on the pool, checked-out ones on the client (whose query then
   // fails, and is handled where it was made). The pool replaces lost clients by itself.
@@ -56,9 +61,6 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
     options.logger.warn({ err: errorSummary(error), pool: options.applicationName }, 'idle database connection lost');
   });
   pool.on('connect', (client) => {
-    // Queued before any statement of the caller the connection is handed to. Should it fail, the
-    // connection is lost, and so the caller's statement fails too, and is reported.
-    if (genericPlans) client.query(`set ${GENERIC_PLANS}`).catch(() => {});
     client.on('error', (error) => {
       // Emitted before pg fails the statements under way on this client, so their failures are
       // known for a lost connection's (isDatabaseUnavailable).
@@ -106,13 +108,11 @@ function statementName(text: string): string | undefined {
   return name;
 }
 
-/** Counts a named statement about to run on `client`; every REPLAN_EVERY, drops its plans first. */
-function replanNow(client: pg.PoolClient): void {
+/** Counts a named statement about to run on `client`: true every REPLAN_EVERY, when its plans are to be dropped first. */
+function replanDue(client: pg.PoolClient): boolean {
   const run = (statementsRun.get(client) ?? 0) + 1;
   statementsRun.set(client, run);
-  // Queued before the statement, on the same connection. Allowed inside a transaction; if it
-  // fails, so will the statement after it (the connection is lost), and that one is reported.
-  if (run % REPLAN_EVERY === 0) client.query('discard plans').catch(() => {});
+  return run % REPLAN_EVERY === 0;
 }
 
 /** The pool as kysely sees it, preparing what it runs. */
@@ -133,10 +133,12 @@ function preparing(pool: pg.Pool): PostgresPool {
           throw lostClients.has(client) ? noConnection(error) : error;
         });
       return {
-        query: ((text: string, values: readonly unknown[]) => {
+        query: (async (text: string, values: readonly unknown[]) => {
           const name = statementName(text);
           if (name === undefined) return run({ text, values: [...values] });
-          replanNow(client);
+          // (Allowed inside a transaction. Should it fail, the connection is lost, and the
+          // statement fails with it.)
+          if (replanDue(client)) await run({ text: 'discard plans' });
           return run({ name, text, values: [...values] });
         }) as unknown as PostgresPoolClient['query'],
         release: (destroy?: boolean) => client.release(destroy),
