@@ -86,15 +86,15 @@ const statementNames = new Map<string, string>();
  * Named statements a connection runs between two `DISCARD PLANS`.
  *
  * A prepared statement's generic plan (the only one, with GENERIC_PLANS; else the one most settle
- * on after their first runs) is made with the tables as they were then, and Postgres keeps it until the tables are next analyzed: by autovacuum, or never where it is
- * off. Made while they were nearly empty (a new database, the first seconds after start), that
- * plan joins a group of rows to a sequential scan of each table, however much the tables grow
- * (thousands of rows read to update two). Dropping a connection's plans now and then has them
- * made again with the tables as they are: once the tables have grown, the new plans use the
- * indexes, and keep doing so. It costs a round trip and a few plannings per REPLAN_EVERY
- * statements, where planning every statement would cost more than running most of them.
- * (graphile-worker's add_jobs, which plans its statements itself, is kept on its indexes by
- * settings on the function instead: db/migrate.ts.)
+ * on after their first runs) is made with the tables as they were then, and Postgres keeps it
+ * until the tables are next analyzed: by autovacuum, or never where it is off. Made while they
+ * were nearly empty (a new database, the first seconds after start), that plan joins a group of
+ * rows to a sequential scan of each table, however much the tables grow (thousands of rows read to
+ * update two). Dropping a connection's plans now and then has them made again with the tables as
+ * they are: once the tables have grown, the new plans use the indexes, and keep doing so. It costs
+ * a round trip and a few plannings per REPLAN_EVERY statements, where planning every statement
+ * would cost more than running most of them. (graphile-worker's add_jobs, which plans its
+ * statements itself, is kept on its indexes by settings on the function instead: db/migrate.ts.)
  */
 export const REPLAN_EVERY = 256;
 const statementsRun = new WeakMap<pg.PoolClient, number>();
@@ -108,7 +108,7 @@ function statementName(text: string): string | undefined {
   return name;
 }
 
-/** Counts a named statement about to run on `client`: true every REPLAN_EVERY, when its plans are to be dropped first. */
+/** Counts a named statement about to run on `client`; true every REPLAN_EVERY: drop its plans first. */
 function replanDue(client: pg.PoolClient): boolean {
   const run = (statementsRun.get(client) ?? 0) + 1;
   statementsRun.set(client, run);
