@@ -16,24 +16,36 @@ export interface PoolOptions {
   applicationName: string;
   logger: Logger;
   /**
-   * Plans each named statement once per connection (GENERIC_PLANS), as the service's pools do;
-   * false for a command's pool, whose statements run once each and are best planned for their values.
+   * Plans each named statement once per connection, and compiles none (SESSION_SETTINGS), as the
+   * service's pools do; false for a command's pool, whose statements run once each and are best
+   * planned for their values.
    */
   genericPlans?: boolean;
 }
 
 /**
- * The session setting of a pool with generic plans. Left to itself, Postgres plans a prepared
- * statement afresh for the values of each of its first five runs on a connection, and then for
- * every run whose values it judges would make a cheaper plan than the generic one. A statement
- * that takes a group of rows as arrays (`unnest($1::text[], ...)`) is always judged so: the generic
- * plan counts a hundred rows in each array, the fresh one the few it holds. Without this setting,
- * the grouped statements on every request's path are planned at nearly every run, and planning
- * the full finish of a group of attempts takes 2 to 6 ms, more than running it. Their generic
- * plans join a group to the tables' indexes as the fresh ones do, and a connection makes them
- * again every REPLAN_EVERY statements, with the tables as they are then (see below).
+ * The session settings of a pool with generic plans.
+ *
+ * plan_cache_mode. Left to itself, Postgres plans a prepared statement afresh for the values of
+ * each of its first five runs on a connection, and then for every run whose values it judges
+ * would make a cheaper plan than the generic one. A statement that takes a group of rows as
+ * arrays (`unnest($1::text[], ...)`) is always judged so: the generic plan counts a hundred rows
+ * in each array, the fresh one the few it holds. Without this setting, the grouped statements on
+ * every request's path are planned at nearly every run, and planning the full finish of a group
+ * of attempts takes 2 to 6 ms, more than running it. Their generic plans join a group to the
+ * tables' indexes as the fresh ones do, and a connection makes them again every REPLAN_EVERY
+ * statements, with the tables as they are then (see below).
+ *
+ * jit. Postgres compiles a statement to machine code when its plan's estimated cost is high, and
+ * a generic plan's can be: it counts a default share of a queue's rows as due, where a fresh plan
+ * sees the times. With 20,000 requests queued, a generic plan of the claim's choice of requests
+ * (gateway.claim_queue) is compiled at every run, 10 to 12 ms each, to run in 0.1 to 0.3 ms. No
+ * statement of the service runs long enough for compiling to pay.
  */
-export const GENERIC_PLANS = 'plan_cache_mode = force_generic_plan';
+export const SESSION_SETTINGS = { plan_cache_mode: 'force_generic_plan', jit: 'off' } as const;
+const SET_SESSION = Object.entries(SESSION_SETTINGS)
+  .map(([name, value]) => `set ${name} = ${value}`)
+  .join('; ');
 
 export function createPool(connectionString: string, options: PoolOptions): pg.Pool {
   const pool = new pg.Pool({
@@ -50,7 +62,7 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
     // On each new connection, before any statement of the caller it is handed to.
     ...((options.genericPlans ?? true) && {
       onConnect: async (client: pg.ClientBase) => {
-        await client.query(`set ${GENERIC_PLANS}`);
+        await client.query(SET_SESSION);
       },
     }),
   });
@@ -85,9 +97,9 @@ const statementNames = new Map<string, string>();
 /**
  * Named statements a connection runs between two `DISCARD PLANS`.
  *
- * A prepared statement's generic plan (the only one, with GENERIC_PLANS; else the one most settle
- * on after their first runs) is made with the tables as they were then, and Postgres keeps it
- * until the tables are next analyzed: by autovacuum, or never where it is off. Made while they
+ * A prepared statement's generic plan (the only one, with SESSION_SETTINGS; else the one most
+ * settle on after their first runs) is made with the tables as they were then, and Postgres keeps
+ * it until the tables are next analyzed: by autovacuum, or never where it is off. Made while they
  * were nearly empty (a new database, the first seconds after start), that plan joins a group of
  * rows to a sequential scan of each table, however much the tables grow (thousands of rows read to
  * update two). Dropping a connection's plans now and then has them made again with the tables as
