@@ -86,11 +86,11 @@ export const hasNoChecksum = (key: string): boolean => key.length === UNCHECKSUM
 
 /**
  * Whether a well-formed key (API_KEY) may be one the gateway issued, judged from its text: one
- * of today's length whose checksum matches, or one of the length keys had before checksums while
- * such keys may exist (`unchecksummedMayExist`; which of them do is keys/unchecksummed.ts's).
+ * of today's length whose checksum matches, or one of the length keys had before checksums
+ * (which of those are active is keys/unchecksummed.ts's question).
  */
-export function mayBeIssuedApiKey(key: string, unchecksummedMayExist = true): boolean {
-  if (hasNoChecksum(key)) return unchecksummedMayExist;
+export function mayBeIssuedApiKey(key: string): boolean {
+  if (hasNoChecksum(key)) return true;
   if (key.length !== CHECKSUMMED_KEY_LENGTH) return false;
   const end = key.length - KEY_CHECKSUM_LENGTH;
   return apiKeyChecksum(key.slice(0, end)) === key.slice(end);

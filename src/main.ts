@@ -272,7 +272,7 @@ export async function start(baseConfig: Config): Promise<void> {
   const database = await openDatabase(baseConfig, logger);
   try {
     const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
-    const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger, genericPlans: false });
+    const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger, sessionSettings: false });
     await migrate(pool, logger).finally(() => pool.end());
     const gateway = await startRole({
       config,
@@ -320,7 +320,7 @@ async function startApiCluster(options: {
   const { config, logger, role, databaseUrl } = options;
   // An API process whose keys cannot decrypt the signing secrets stops at once; the primary
   // checks first, rather than replace such processes for ever.
-  const checkPool = createPool(databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger, genericPlans: false });
+  const checkPool = createPool(databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger, sessionSettings: false });
   await assertSecretsDecrypt(createDb(checkPool), config).finally(() => checkPool.end());
   return startCluster({
     config,
@@ -366,7 +366,7 @@ export async function runAdminCommand(
   );
   const database = await openDatabase(config, logger);
   const effective = database.embedded ? await withLocalSecrets(config) : config;
-  const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger, genericPlans: false });
+  const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger, sessionSettings: false });
   try {
     if (!options.anySchema) await assertSchemaCurrent(pool);
     io.out(await command(createDb(pool), { pool, logger, config: effective }));

@@ -20,7 +20,7 @@ export interface PoolOptions {
    * service's pools do; false for a command's pool, whose statements run once each and are best
    * planned for their values.
    */
-  genericPlans?: boolean;
+  sessionSettings?: boolean;
 }
 
 /**
@@ -42,7 +42,7 @@ export interface PoolOptions {
  * (gateway.claim_queue) is compiled at every run, 10 to 12 ms each, to run in 0.1 to 0.3 ms. No
  * statement of the service runs long enough for compiling to pay.
  */
-export const SESSION_SETTINGS = { plan_cache_mode: 'force_generic_plan', jit: 'off' } as const;
+const SESSION_SETTINGS = { plan_cache_mode: 'force_generic_plan', jit: 'off' } as const;
 const SET_SESSION = Object.entries(SESSION_SETTINGS)
   .map(([name, value]) => `set ${name} = ${value}`)
   .join('; ');
@@ -60,7 +60,7 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
     idle_in_transaction_session_timeout: 60_000,
     keepAlive: true,
     // On each new connection, before any statement of the caller it is handed to.
-    ...((options.genericPlans ?? true) && {
+    ...((options.sessionSettings ?? true) && {
       onConnect: async (client: pg.ClientBase) => {
         await client.query(SET_SESSION);
       },

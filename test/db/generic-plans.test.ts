@@ -55,7 +55,7 @@ t.test('every connection of a service pool runs a grouped statement on its gener
 
 t.test("a command's pool has each statement planned for its values", async (t) => {
   const url = await createTestDatabase(t);
-  const pool = createPool(url, { max: 1, applicationName: 'generic-plans-test', logger: createLogger({ logLevel: 'silent' }), genericPlans: false });
+  const pool = createPool(url, { max: 1, applicationName: 'generic-plans-test', logger: createLogger({ logLevel: 'silent' }), sessionSettings: false });
   t.teardown(() => pool.end());
   const client = await pool.connect();
   t.teardown(() => client.release());

@@ -1,6 +1,6 @@
 // Keys a test chooses itself, stored as `gateway keys create` stores the keys it draws.
 import type { Db } from '../../src/db/pool.ts';
-import { mayBeIssuedApiKey, newKeyId, newSigningSecret, type KeyMode } from '../../src/ids.ts';
+import { hasNoChecksum, mayBeIssuedApiKey, newKeyId, newSigningSecret, type KeyMode } from '../../src/ids.ts';
 import { ensureProject, insertApiKey } from '../../src/keys/repository.ts';
 import type { CreatedKey } from '../../src/keys/service.ts';
 import { encryptSecret, hashApiKey } from '../../src/keys/secrets.ts';
@@ -30,7 +30,7 @@ export async function storeKnownKey(
     key_sha256: hashApiKey(key.apiKey),
     key_hint: key.apiKey.slice(-4),
     signing_secret_ciphertext: encryptSecret(signingSecret, id, encryptionKey),
-    checksummed: mayBeIssuedApiKey(key.apiKey, false),
+    checksummed: mayBeIssuedApiKey(key.apiKey) && !hasNoChecksum(key.apiKey),
   });
   return { id, project: key.project, mode: key.mode, api_key: key.apiKey, signing_secret: signingSecret };
 }
