@@ -1,7 +1,7 @@
 // A bounded line of asynchronous work, first come first served: at most `inFlight` runs under
 // way, `waiting` more in line for their turn, and beyond that a refusal at once. It keeps a kind
-// of work that a flood can bring (reads of unknown keys, new queues of invented model names)
-// to a few of the pool's connections, so that the rest serve everyone else.
+// of work that a flood can bring (new queues of invented model names) to a few of the pool's
+// connections, so that the rest serve everyone else.
 
 export interface LineOptions {
   /** Runs under way at once. */

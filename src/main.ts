@@ -167,7 +167,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         reads: createRequestReads(db),
         waiters,
         keys,
-        keyReads: new KeyReads({ onRefused: () => metrics.keyReadsRefused.inc() }),
+        keyReads: new KeyReads(db, { onRefused: () => metrics.keyReadsRefused.inc() }),
         unchecksummed,
         metrics,
         logger,

@@ -62,6 +62,11 @@ export class Batcher<Item, Result> {
     this.#options = options;
   }
 
+  /** Items waiting for a statement (those of the statements under way not counted). */
+  get waiting(): number {
+    return this.#pending.length;
+  }
+
   submit(item: Item): Promise<Result> {
     return new Promise((resolve, reject) => {
       const bytes = this.#options.maxBytes?.sizeOf(item) ?? 0;

@@ -75,7 +75,7 @@ const BEARER = /^Bearer +(\S+) *$/i;
 export interface KeyChecks {
   /** Keys (and misses) held in memory: a key it holds costs no read, nor waits for one. */
   cache?: KeyCache | undefined;
-  /** The bound on reads of keys the cache does not hold (beyond it: a 503). */
+  /** Reads of keys the cache does not hold, grouped and bounded (beyond the bound: a 503). */
   reads?: KeyReads | undefined;
   /** Hears of each well-formed key that is not there (never issued, unknown or revoked). */
   onUnknown?: (() => void) | undefined;
@@ -108,7 +108,7 @@ export async function authenticate(
   }
   const cached = cache?.get(keySha256);
   if (cached) return cached;
-  const read = reads ? () => reads.run(() => readKey(db, keySha256)) : () => readKey(db, keySha256);
+  const read = () => readKey(db, keySha256, reads);
   const auth = await (cache ? cache.read(keySha256, read) : read());
   if (auth === undefined) {
     onUnknown?.();
@@ -133,9 +133,9 @@ export async function signingSecretNotDecrypted(db: Db, encryptionKeys: readonly
   }
 }
 
-/** The key with that hash, unless there is none or it is revoked. */
-async function readKey(db: Db, keySha256: Buffer): Promise<Auth | undefined> {
-  const key = await repository.findKeyByHash(db, keySha256);
+/** The key with that hash, unless there is none or it is revoked: read with others through `reads` when given. */
+async function readKey(db: Db, keySha256: Buffer, reads: KeyReads | undefined): Promise<Auth | undefined> {
+  const key = reads ? await reads.read(keySha256) : (await repository.findKeysByHash(db, [keySha256]))[0];
   if (key === undefined || key.revoked_at !== null) return undefined;
   return {
     keyId: key.id,

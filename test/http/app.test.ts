@@ -77,7 +77,7 @@ t.test('the app answers health, unknown routes and unauthenticated calls without
     reads: createRequestReads(db),
     waiters: new Waiters(listener),
     keys: new KeyCache(listener),
-    keyReads: new KeyReads(),
+    keyReads: new KeyReads(db),
     queues: new QueueRouter(db, config),
     intake: NO_INTAKE_LIMITS,
     metrics,
