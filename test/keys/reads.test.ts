@@ -66,7 +66,8 @@ t.test('a flood of 400 unknown keys holds 2 connections, 256 more keys wait, the
 
 t.test('keys asked for while a read is under way share the next statement: 102 keys in 4 statements, each key its own answer', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
-  const [first, second] = [await gateway.createKey(), await gateway.createKey({ mode: 'live' })];
+  const first = await gateway.createKey();
+  const second = await gateway.createKey({ mode: 'live' });
   const pool = createPool(gateway.databaseUrl, { max: 10, applicationName: 'key-reads-test', logger: createLogger({ logLevel: 'silent' }) });
   t.teardown(() => pool.end());
   let statements = 0;
@@ -76,15 +77,15 @@ t.test('keys asked for while a read is under way share the next statement: 102 k
   // Two keys of the gateway among 100 made up: the first two asked go out alone, one statement
   // each (2 under way at most); the other 100 wait and share the next two (64 keys at most each).
   const keys = Array.from({ length: 100 }, () => newApiKey('test'));
-  keys.splice(50, 0, first!.api_key);
-  keys.push(second!.api_key);
+  keys.splice(50, 0, first.api_key);
+  keys.push(second.api_key);
   const found = await Promise.all(keys.map((apiKey) => reads.read(hashApiKey(apiKey))));
   t.equal(statements, 4, '4 statements');
   t.same(
     found.flatMap((key, index) => (key ? [{ index, id: key.id, mode: key.mode }] : [])),
     [
-      { index: 50, id: first!.id, mode: 'test' },
-      { index: 101, id: second!.id, mode: 'live' },
+      { index: 50, id: first.id, mode: 'test' },
+      { index: 101, id: second.id, mode: 'live' },
     ],
     'the two keys found, each where it was asked for; the others not',
   );
