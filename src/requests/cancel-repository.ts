@@ -19,6 +19,13 @@ export type CancelOutcome =
  * request ends completed or failed) or finds it cancelled, never both. Returns the status it
  * had, with the record of a request cancelled now or before; undefined when there is no such
  * request of the caller's.
+ *
+ * The running attempt is written as an insert that finds its row (ON CONFLICT), not as an
+ * update. A statement's updates see only the rows committed before it began, and a claim that
+ * started the request while the cancel waited for its lock committed the attempt's row after
+ * that: an update would miss it, leaving the cancelled request's attempt running, for its worker
+ * to record as succeeded. An insert's conflict finds the row however late it was committed. (A
+ * processing request always has its attempt's row: the insert never adds one.)
  */
 export async function cancelRequest(
   db: Db,
@@ -42,13 +49,16 @@ export async function cancelRequest(
       where requests.id = target.id and target.previous_status in ('queued', 'retrying', 'processing')
       returning requests.id, requests.status, requests.attempts, requests.updated_at
     ), cut as (
-      update gateway.request_attempts
-      set outcome = 'cancelled', finished_at = now(),
-          duration_ms = round(extract(epoch from now() - request_attempts.started_at) * 1000)::int,
-          error_detail = 'the request was cancelled while its call was under way'
+      insert into gateway.request_attempts as attempts (request_id, attempt_number, outcome, finished_at, duration_ms, error_detail)
+      select cancelled.id, cancelled.attempts, 'cancelled', now(), 0, 'the request was cancelled while its call was under way'
       from cancelled
-      where request_attempts.request_id = cancelled.id and request_attempts.attempt_number = cancelled.attempts
-        and request_attempts.outcome = 'running'
+      join target on target.id = cancelled.id
+      where target.previous_status = 'processing'
+      on conflict (request_id, attempt_number) do update
+      set outcome = 'cancelled', finished_at = now(),
+          duration_ms = round(extract(epoch from now() - attempts.started_at) * 1000)::int,
+          error_detail = excluded.error_detail
+      where attempts.outcome = 'running'
     )
     select target.previous_status, target.id, coalesce(cancelled.status, target.previous_status) as status,
            target.attempts, target.created_at, coalesce(cancelled.updated_at, target.updated_at) as updated_at,

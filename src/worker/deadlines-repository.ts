@@ -38,13 +38,18 @@ export async function expireRequests(db: Db, limit: number): Promise<Expired[]> 
       where requests.id = due.id
       returning requests.id, requests.mode, requests.attempts, due.status as previous_status
     ), cut as (
-      update gateway.request_attempts
-      set outcome = 'failed', error_code = ${DEADLINE_EXCEEDED},
-          error_detail = 'the request''s deadline passed during the call', finished_at = now(),
-          duration_ms = round(extract(epoch from now() - request_attempts.started_at) * 1000)::int
+      -- An insert that finds the attempt's row, as a cancel's does (requests/cancel-repository.ts):
+      -- a claim that committed after this statement began, but before its lock on the request,
+      -- wrote an attempt row an update would not see.
+      insert into gateway.request_attempts as attempts
+        (request_id, attempt_number, outcome, error_code, error_detail, finished_at, duration_ms)
+      select expired.id, expired.attempts, 'failed', ${DEADLINE_EXCEEDED}, 'the request''s deadline passed during the call', now(), 0
       from expired
-      where request_attempts.request_id = expired.id and request_attempts.attempt_number = expired.attempts
-        and request_attempts.outcome = 'running'
+      where expired.previous_status = 'processing'
+      on conflict (request_id, attempt_number) do update
+      set outcome = 'failed', error_code = excluded.error_code, error_detail = excluded.error_detail, finished_at = now(),
+          duration_ms = round(extract(epoch from now() - attempts.started_at) * 1000)::int
+      where attempts.outcome = 'running'
     )
     select mode, previous_status, count(*) as count from expired group by mode, previous_status
   `.execute(db);

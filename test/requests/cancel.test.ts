@@ -190,6 +190,39 @@ t.test('a refused cancel (404, 409) leaves no nonce behind; a successful one con
   }
 });
 
+t.test('a cancel that waits for the claim starting its request records the attempt that claim committed as cancelled', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const key = await api.createKey();
+  const { id } = await plantRequest(api, key, { status: 'queued' });
+
+  // A claim starting the request, not committed yet: it holds the request's row, and its attempt's
+  // row is committed after the cancel's statement began.
+  const claim = await api.pool.connect();
+  t.teardown(() => claim.release());
+  await claim.query('begin');
+  await claim.query(`update gateway.requests set status = 'processing', attempts = 1, next_attempt_at = null where id = $1`, [id]);
+  await claim.query(`insert into gateway.request_attempts (request_id, attempt_number, worker_id) values ($1, 1, 'a-worker')`, [id]);
+  const cancelling = cancelOf(api.url, key)(id);
+  await until(async () => {
+    const { rows } = await api.pool.query<{ count: string }>(
+      `select count(*) from pg_stat_activity
+       where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
+    );
+    return Number(rows[0]!.count) === 1;
+  }, 'the cancel to wait for the request\'s row');
+  await claim.query('commit');
+
+  const answer = await cancelling;
+  t.equal(answer.status, 200);
+  t.match(answer.body, { id, status: 'cancelled', attempts: 1 });
+  t.match(await requestRow(api.db, id), { status: 'cancelled' });
+  t.same(
+    (await attemptRows(api.db, id)).map((attempt) => ({ attempt: attempt.attempt_number, outcome: attempt.outcome, finished: attempt.finished_at !== null })),
+    [{ attempt: 1, outcome: 'cancelled', finished: true }],
+    'its attempt is recorded as cancelled, not left running for its worker to record as succeeded',
+  );
+});
+
 t.test('a cancel racing the upstream\'s answer: each request ends cancelled or completed, never both, and its webhook says which', async (t) => {
   const upstream = await startFakeUpstream(t, async (call) => {
     await sleep(100);
