@@ -27,31 +27,19 @@ const MAX_BATCH = 64;
  */
 const WAITING = 256;
 
-export interface KeyReadsOptions {
-  inFlight?: number;
-  maxBatch?: number;
-  waiting?: number;
-  /** Told of each request refused because the line is full. */
-  onRefused?: () => void;
-}
-
 export class KeyReads {
   readonly #reads: Batcher<Buffer, KeyRecord | undefined>;
-  readonly #waiting: number;
   readonly #onRefused: (() => void) | undefined;
 
-  constructor(db: Db, options: KeyReadsOptions = {}) {
-    this.#reads = new Batcher((hashes) => findKeysByHash(db, hashes), {
-      maxInFlight: options.inFlight ?? IN_FLIGHT,
-      maxBatch: options.maxBatch ?? MAX_BATCH,
-    });
-    this.#waiting = options.waiting ?? WAITING;
+  /** `onRefused`: told of each request refused because the line is full. */
+  constructor(db: Db, options: { onRefused?: () => void } = {}) {
+    this.#reads = new Batcher((hashes) => findKeysByHash(db, hashes), { maxInFlight: IN_FLIGHT, maxBatch: MAX_BATCH });
     this.#onRefused = options.onRefused;
   }
 
   /** The key with this hash (undefined: none), or the 503 when the line is full. */
   read(keySha256: Buffer): Promise<KeyRecord | undefined> {
-    if (this.#reads.waiting >= this.#waiting) {
+    if (this.#reads.waiting >= WAITING) {
       this.#onRefused?.();
       return Promise.reject(serviceUnavailable(1, 'The gateway is busy; try again in a moment.'));
     }

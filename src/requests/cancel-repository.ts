@@ -47,13 +47,12 @@ export async function cancelRequest(
       set status = 'cancelled', finished_at = now(), next_attempt_at = null, updated_at = now()
       from target
       where requests.id = target.id and target.previous_status in ('queued', 'retrying', 'processing')
-      returning requests.id, requests.status, requests.attempts, requests.updated_at
+      returning requests.id, requests.status, requests.attempts, requests.updated_at, target.previous_status
     ), cut as (
       insert into gateway.request_attempts as attempts (request_id, attempt_number, outcome, finished_at, duration_ms, error_detail)
       select cancelled.id, cancelled.attempts, 'cancelled', now(), 0, 'the request was cancelled while its call was under way'
       from cancelled
-      join target on target.id = cancelled.id
-      where target.previous_status = 'processing'
+      where cancelled.previous_status = 'processing'
       on conflict (request_id, attempt_number) do update
       set outcome = 'cancelled', finished_at = now(),
           duration_ms = round(extract(epoch from now() - attempts.started_at) * 1000)::int,
