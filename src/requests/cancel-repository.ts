@@ -25,7 +25,10 @@ export type CancelOutcome =
  * started the request while the cancel waited for its lock committed the attempt's row after
  * that: an update would miss it, leaving the cancelled request's attempt running, for its worker
  * to record as succeeded. An insert's conflict finds the row however late it was committed. (A
- * processing request always has its attempt's row: the insert never adds one.)
+ * processing request always has its attempt's row: the insert never adds one.) For the same
+ * claim, the request's end is timed when its row is locked (clock_timestamp()), not when the
+ * statement began (now()): the claim's attempt may have started in between, and would seem to
+ * have started after its request ended, and run for a negative time.
  */
 export async function cancelRequest(
   db: Db,
@@ -44,18 +47,18 @@ export async function cancelRequest(
       for update
     ), cancelled as (
       update gateway.requests
-      set status = 'cancelled', finished_at = now(), next_attempt_at = null, updated_at = now()
+      set status = 'cancelled', finished_at = clock_timestamp(), next_attempt_at = null, updated_at = clock_timestamp()
       from target
       where requests.id = target.id and target.previous_status in ('queued', 'retrying', 'processing')
-      returning requests.id, requests.status, requests.attempts, requests.updated_at, target.previous_status
+      returning requests.id, requests.status, requests.attempts, requests.finished_at, requests.updated_at, target.previous_status
     ), cut as (
       insert into gateway.request_attempts as attempts (request_id, attempt_number, outcome, finished_at, duration_ms, error_detail)
-      select cancelled.id, cancelled.attempts, 'cancelled', now(), 0, 'the request was cancelled while its call was under way'
+      select cancelled.id, cancelled.attempts, 'cancelled', cancelled.finished_at, 0, 'the request was cancelled while its call was under way'
       from cancelled
       where cancelled.previous_status = 'processing'
       on conflict (request_id, attempt_number) do update
-      set outcome = 'cancelled', finished_at = now(),
-          duration_ms = round(extract(epoch from now() - attempts.started_at) * 1000)::int,
+      set outcome = 'cancelled', finished_at = excluded.finished_at,
+          duration_ms = round(extract(epoch from excluded.finished_at - attempts.started_at) * 1000)::int,
           error_detail = excluded.error_detail
       where attempts.outcome = 'running'
     )

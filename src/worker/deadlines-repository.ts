@@ -32,23 +32,24 @@ export async function expireRequests(db: Db, limit: number): Promise<Expired[]> 
       for update skip locked
     ), expired as (
       update gateway.requests
-      set status = 'failed', last_error_code = ${DEADLINE_EXCEEDED}, finished_at = now(), next_attempt_at = null,
-          updated_at = now()
+      set status = 'failed', last_error_code = ${DEADLINE_EXCEEDED}, finished_at = clock_timestamp(), next_attempt_at = null,
+          updated_at = clock_timestamp()
       from due
       where requests.id = due.id
-      returning requests.id, requests.mode, requests.attempts, due.status as previous_status
+      returning requests.id, requests.mode, requests.attempts, requests.finished_at, due.status as previous_status
     ), cut as (
       -- An insert that finds the attempt's row, as a cancel's does (requests/cancel-repository.ts):
       -- a claim that committed after this statement began, but before its lock on the request,
-      -- wrote an attempt row an update would not see.
+      -- wrote an attempt row an update would not see. For that claim too, the request's end is
+      -- timed when its row is locked, not when the statement began (as a cancel's is).
       insert into gateway.request_attempts as attempts
         (request_id, attempt_number, outcome, error_code, error_detail, finished_at, duration_ms)
-      select expired.id, expired.attempts, 'failed', ${DEADLINE_EXCEEDED}, 'the request''s deadline passed during the call', now(), 0
+      select expired.id, expired.attempts, 'failed', ${DEADLINE_EXCEEDED}, 'the request''s deadline passed during the call', expired.finished_at, 0
       from expired
       where expired.previous_status = 'processing'
       on conflict (request_id, attempt_number) do update
-      set outcome = 'failed', error_code = excluded.error_code, error_detail = excluded.error_detail, finished_at = now(),
-          duration_ms = round(extract(epoch from now() - attempts.started_at) * 1000)::int
+      set outcome = 'failed', error_code = excluded.error_code, error_detail = excluded.error_detail, finished_at = excluded.finished_at,
+          duration_ms = round(extract(epoch from excluded.finished_at - attempts.started_at) * 1000)::int
       where attempts.outcome = 'running'
     )
     select mode, previous_status, count(*) as count from expired group by mode, previous_status

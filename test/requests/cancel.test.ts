@@ -190,18 +190,19 @@ t.test('a refused cancel (404, 409) leaves no nonce behind; a successful one con
   }
 });
 
-t.test('a cancel that waits for the claim starting its request records the attempt that claim committed as cancelled', async (t) => {
+t.test('a cancel that waits for the claim starting its request records the attempt that claim committed as cancelled, ended after it started', async (t) => {
   const api = await startTestGateway(t, { role: 'api' });
   const key = await api.createKey();
   const { id } = await plantRequest(api, key, { status: 'queued' });
 
-  // A claim starting the request, not committed yet: it holds the request's row, and its attempt's
-  // row is committed after the cancel's statement began.
+  // A claim starting the request, not committed yet: it holds the request's row. Its attempt's
+  // row is written once the cancel waits for that row, and committed after the cancel's statement
+  // began, with the time it is written as its start: a claim whose transaction began after the
+  // cancel's statement, and locked the row before it.
   const claim = await api.pool.connect();
   t.teardown(() => claim.release());
   await claim.query('begin');
   await claim.query(`update gateway.requests set status = 'processing', attempts = 1, next_attempt_at = null where id = $1`, [id]);
-  await claim.query(`insert into gateway.request_attempts (request_id, attempt_number, worker_id) values ($1, 1, 'a-worker')`, [id]);
   const cancelling = cancelOf(api.url, key)(id);
   await until(async () => {
     const { rows } = await api.pool.query<{ count: string }>(
@@ -210,16 +211,25 @@ t.test('a cancel that waits for the claim starting its request records the attem
     );
     return Number(rows[0]!.count) === 1;
   }, 'the cancel to wait for the request\'s row');
+  await claim.query(`insert into gateway.request_attempts (request_id, attempt_number, worker_id, started_at) values ($1, 1, 'a-worker', clock_timestamp())`, [id]);
   await claim.query('commit');
 
   const answer = await cancelling;
   t.equal(answer.status, 200);
   t.match(answer.body, { id, status: 'cancelled', attempts: 1 });
-  t.match(await requestRow(api.db, id), { status: 'cancelled' });
+  const request = await requestRow(api.db, id);
+  t.match(request, { status: 'cancelled' });
+  const attempts = await attemptRows(api.db, id);
   t.same(
-    (await attemptRows(api.db, id)).map((attempt) => ({ attempt: attempt.attempt_number, outcome: attempt.outcome, finished: attempt.finished_at !== null })),
+    attempts.map((attempt) => ({ attempt: attempt.attempt_number, outcome: attempt.outcome, finished: attempt.finished_at !== null })),
     [{ attempt: 1, outcome: 'cancelled', finished: true }],
     'its attempt is recorded as cancelled, not left running for its worker to record as succeeded',
+  );
+  const [attempt] = attempts;
+  t.ok(
+    attempt!.finished_at! >= attempt!.started_at && request!.finished_at! >= attempt!.started_at && attempt!.duration_ms! >= 0,
+    `the attempt and its request ended after it started (started ${attempt!.started_at.toISOString()}, ` +
+      `ended ${attempt!.finished_at!.toISOString()} after ${attempt!.duration_ms} ms; the request ended ${request!.finished_at!.toISOString()})`,
   );
 });
 
