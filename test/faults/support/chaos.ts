@@ -4,6 +4,7 @@
 // a hang or a stalled body past the gateway's upstream timeout, or a 2xx that is not a chat
 // completion), and every call is remembered with what it was answered, so a test can work out
 // which code each attempt of each request must have ended with.
+import { mulberry32 } from '../../helpers/random.ts';
 import { completionFor, type ReceivedCall, type Reply } from '../../helpers/upstream.ts';
 
 export const BEHAVIOURS = {
@@ -112,16 +113,4 @@ export function chaos(options: { seed: number; tagOf: (body: any) => string }): 
     }
   };
   return { reply, calls, callsFor: (tag) => byTag.get(tag) ?? [] };
-}
-
-/** A small seeded generator, so a run's mix of behaviours can be told by its seed. */
-function mulberry32(seed: number): () => number {
-  let state = seed >>> 0;
-  return () => {
-    state = (state + 0x6d2b79f5) >>> 0;
-    let z = state;
-    z = Math.imul(z ^ (z >>> 15), z | 1);
-    z ^= z + Math.imul(z ^ (z >>> 7), z | 61);
-    return ((z ^ (z >>> 14)) >>> 0) / 4294967296;
-  };
 }
