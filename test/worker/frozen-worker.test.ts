@@ -1,0 +1,173 @@
+// A worker frozen past WORKER_DEAD_AFTER_MS with calls under way, as a long pause of its machine
+// or of its process does (SIGSTOP here), while another worker stands by, then resumed (SIGCONT).
+// The other worker takes it for dead: it records its attempts as worker_lost and runs them again.
+// Once resumed, while those second attempts are still under way, the frozen worker gets its
+// calls' answers, late: it must record none of them, neither as its attempt's outcome nor as its
+// request's. Every request then completes once, with the answer of its second attempt and one
+// webhook event; and the resumed worker goes on working, alone once the other has stopped.
+import { setTimeout as sleep } from 'node:timers/promises';
+import t from 'tap';
+import { addEndpoint } from '../../src/webhooks/endpoints.ts';
+import { call, tally } from '../faults/support/client.ts';
+import { faultContext } from '../faults/support/context.ts';
+import { lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from '../faults/support/rows.ts';
+import { privateContent, recordSecret } from '../faults/support/run.ts';
+import { dispatchJobs } from '../helpers/rows.ts';
+import { parseLine } from '../helpers/serve.ts';
+import { completionFor, startFakeUpstream, type ReceivedCall } from '../helpers/upstream.ts';
+import { waitFor } from '../helpers/wait.ts';
+import { startReceiver } from '../webhooks/support.ts';
+
+const SCENARIO = 'worker-frozen';
+const REQUESTS = 40;
+const MAX_ATTEMPTS = 5;
+const DEAD_AFTER_MS = 2_000;
+// What a worker logs, at debug level, once it has gone to record an attempt that succeeded (src/worker/attempts.ts).
+const SUCCEEDED = 'attempt succeeded';
+
+/** A completion whose content says which call of its request answered it. */
+const completionSaying = (call: ReceivedCall, which: 'late' | 'again') => {
+  const completion = completionFor(call.body);
+  completion.choices[0]!.message.content = `${which}: ${call.content}`;
+  return { status: 200, json: completion };
+};
+
+t.test('a worker frozen past WORKER_DEAD_AFTER_MS with its calls under way, then resumed while they run again elsewhere: its late answers are recorded nowhere, each request completes once', async (t) => {
+  // Each request's first call is answered "late" once the frozen worker is resumed; its second
+  // "again", once the late answers have been seen.
+  const release = { first: () => {}, second: () => {} };
+  const first = new Promise<void>((resolve) => (release.first = resolve));
+  const second = new Promise<void>((resolve) => (release.second = resolve));
+  const called = new Set<string>();
+  const upstream = await startFakeUpstream(t, async (call) => {
+    if (called.has(call.content)) {
+      await second;
+      return completionSaying(call, 'again');
+    }
+    called.add(call.content);
+    await first;
+    return completionSaying(call, 'late');
+  });
+  const receiver = await startReceiver(t);
+  const faults = await faultContext(t, SCENARIO);
+  const env = {
+    UPSTREAM_BASE_URL: upstream.baseUrl,
+    UPSTREAM_TIMEOUT_MS: '60000',
+    MAX_ATTEMPTS: String(MAX_ATTEMPTS),
+    WORKER_DEAD_AFTER_MS: String(DEAD_AFTER_MS),
+    SHUTDOWN_GRACE_MS: '1000',
+    WEBHOOK_ALLOW_PRIVATE: 'true',
+  };
+  const api = await faults.start('api', { env });
+  const project = 'worker-frozen';
+  const key = await faults.createKey({ project, mode: 'live' });
+  const endpoint = await addEndpoint(faults.db, { encryptionKey: faults.encryptionKey, allowPrivate: true }, { project, url: receiver.url });
+  recordSecret(SCENARIO, 'webhook_secret', endpoint.secret);
+  recordSecret(SCENARIO, 'webhook_secret', endpoint.secret.slice('whsec_'.length));
+  receiver.secrets.push(endpoint.secret);
+
+  const post = (i: number) =>
+    call(api.url!, { path: '/v1/chat/completions', key, body: { model: 'gpt-frozen', messages: [{ role: 'user', content: privateContent(`frozen ${i}`) }] } });
+  const accepted = await Promise.all(Array.from({ length: REQUESTS }, (_, i) => post(i)));
+  t.equal(tally(accepted.map((answer) => answer.status)), `202: ${REQUESTS}`, `all ${REQUESTS} acknowledged`);
+  const ids = accepted.map((answer) => answer.body.id as string);
+
+  // The first worker takes every call; the second starts once they are all under way.
+  // (At debug level, its log says which outcomes it found recorded already: src/worker/attempts.ts.)
+  const frozen = await faults.start('worker', { label: 'worker-frozen', env: { ...env, LOG_LEVEL: 'debug' } });
+  t.ok(await waitFor(() => upstream.calls.length >= REQUESTS, 30_000), `the first worker has all ${REQUESTS} calls under way`);
+  const other = await faults.start('worker', { label: 'worker-other', env });
+  const { rows: running } = await faults.pool.query<{ worker_id: string }>(`select distinct worker_id from gateway.request_attempts where outcome = 'running'`);
+  t.equal(running.length, 1, 'all of them in the first worker');
+  const frozenId = running[0]!.worker_id;
+
+  frozen.signal('SIGSTOP');
+  t.teardown(() => frozen.signal('SIGCONT'));
+  const retried = await waitFor(() => upstream.calls.length >= 2 * REQUESTS, 30_000);
+  t.ok(retried, `while the first worker is frozen, the other runs every request again (${upstream.calls.length - REQUESTS} calls)`);
+  if (!retried) t.comment(await queueSummary(faults.pool));
+
+  // Resumed while the second attempts run: its calls are answered now, late, and it would record them.
+  frozen.signal('SIGCONT');
+  release.first();
+  const firstCalls = upstream.calls.slice(0, REQUESTS);
+  t.ok(await waitFor(() => firstCalls.every((call) => call.endedAt !== undefined), 10_000), 'the late answers reached the resumed worker');
+  const stale = () =>
+    frozen.lines.filter((line) => {
+      const entry = parseLine(line);
+      return entry?.msg === SUCCEEDED && entry.attempt === 1 && entry.stale === true;
+    }).length;
+  await waitFor(() => stale() >= REQUESTS, 15_000);
+  t.equal(stale(), REQUESTS, 'the resumed worker went to record each late answer, and found its attempt recorded already');
+  const meanwhile = await requestsWithAttempts(faults.pool, ids);
+  t.same(
+    meanwhile
+      .filter((request) => {
+        const [first, second] = request.attempt_rows;
+        return !(request.status === 'processing' && first?.error_code === 'worker_lost' && second?.outcome === 'running');
+      })
+      .map((request) => `${request.id}: ${request.status}, ${request.attempt_rows.map((attempt) => `${attempt.outcome} ${attempt.error_code ?? ''}`).join(', ')}`)
+      .slice(0, 20),
+    [],
+    'the late answers changed nothing: each request still runs its second attempt, its first recorded as worker_lost',
+  );
+
+  release.second();
+  const ended = await waitUntilTerminal(faults.pool, ids, 30_000);
+  t.ok(ended.done, `all ended (left: ${ended.left}, by status: ${JSON.stringify(ended.byStatus)})`);
+  if (!ended.done) t.comment(await queueSummary(faults.pool));
+
+  const requests = await requestsWithAttempts(faults.pool, ids);
+  const problems = requests.flatMap((request) => lifecycleProblems(request, MAX_ATTEMPTS).map((problem) => `${request.id}: ${problem}`));
+  t.same(problems.slice(0, 20), [], 'every request completed by the rules: one succeeded attempt, its last, none running');
+  t.same(
+    requests
+      .filter((request) => {
+        const [first, second] = request.attempt_rows;
+        return !(
+          request.attempt_rows.length === 2 &&
+          first?.worker_id === frozenId && first.outcome === 'failed' && first.error_code === 'worker_lost' &&
+          second?.worker_id !== frozenId && second?.outcome === 'succeeded'
+        );
+      })
+      .map((request) => `${request.id}: ${request.attempt_rows.map((attempt) => `${attempt.outcome} ${attempt.error_code ?? ''} by ${attempt.worker_id === frozenId ? 'the frozen worker' : 'the other'}`).join(', ')}`)
+      .slice(0, 20),
+    [],
+    "each: the frozen worker's attempt recorded as worker_lost, then one by the other worker that succeeded",
+  );
+  t.same(
+    requests.filter((request) => !String(request.result?.choices?.[0]?.message?.content).startsWith('again: ')).map((request) => request.id).slice(0, 20),
+    [],
+    "each request's result is its second call's answer, not the late one",
+  );
+
+  const events = await waitFor(() => new Set(receiver.deliveries.map((delivery) => delivery.headers['webhook-id'])).size >= REQUESTS, 15_000);
+  t.ok(events, 'an event for each request');
+  // Time for a second event of a request, were there one.
+  await sleep(500);
+  const byRequest = new Map<string, string[]>();
+  for (const delivery of receiver.deliveries) {
+    const id = String(delivery.event?.data.id);
+    byRequest.set(id, [...(byRequest.get(id) ?? []), `${delivery.event?.type} ${delivery.headers['webhook-id']}`]);
+  }
+  t.same(
+    ids.filter((id) => new Set(byRequest.get(id)).size !== 1 || !byRequest.get(id)![0]!.startsWith('request.completed ')).map((id) => `${id}: ${byRequest.get(id)?.join(', ')}`),
+    [],
+    'one event per request: request.completed',
+  );
+  t.ok(receiver.deliveries.every((delivery) => delivery.verifiedWith.length === 1), 'every delivery verified');
+
+  // The resumed worker goes on working: alone, once the other has stopped, it runs new requests.
+  await other.stop();
+  const more = await Promise.all(Array.from({ length: 5 }, (_, i) => post(REQUESTS + i)));
+  const moreIds = more.map((answer) => answer.body.id as string);
+  const moreEnded = await waitUntilTerminal(faults.pool, moreIds, 20_000);
+  const moreRequests = await requestsWithAttempts(faults.pool, moreIds);
+  t.ok(
+    moreEnded.done && moreRequests.every((request) => request.status === 'completed' && request.attempt_rows.every((attempt) => attempt.worker_id === frozenId)),
+    `the resumed worker, alone, completed 5 new requests (${JSON.stringify(moreEnded.byStatus)})`,
+  );
+  t.equal((await dispatchJobs(faults.db)).length, 0, 'no dispatch_queue job is left behind, locked or not');
+
+  await faults.finish(t);
+});
