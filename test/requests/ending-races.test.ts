@@ -1,11 +1,12 @@
 // The ways a request ends, racing each other: the upstream's answer (after a failure and a retry,
 // for some), the client's cancel, and the expiry of its deadline, all within the same second or
-// two, with the API and the worker in processes of their own (the cancel reaches the worker's
-// call through the database). Whatever wins, each request ends once, in one state its rows, its
+// two. Twice: with the API and the worker in processes of their own (the cancel reaches the
+// worker's call through the database), and in one process (where a wait=true request may be
+// started by its accept). Whatever wins, each request ends once, in one state its rows, its
 // webhook event and its wait=true answer all agree on: a completed request has exactly one
 // succeeded attempt, its last; a failed or cancelled one has none; no attempt is left running,
-// and none started after the request ended.
-import t from 'tap';
+// started after the request ended, or ended before it started.
+import t, { type Test } from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { mulberry32 } from '../helpers/random.ts';
@@ -29,8 +30,15 @@ const between = (min: number, max: number) => Math.round(min + draw() * (max - m
 const answerAfter = Array.from({ length: REQUESTS }, () => between(300, 1_800));
 const cancelAfter = Array.from({ length: REQUESTS }, (_, i) => (i % 3 === 0 ? between(0, 1_500) : undefined));
 
-t.test('answers, retries, cancels and deadlines racing: each request ends once, and its rows, its event and its wait=true answer agree', async (t) => {
-  t.comment(`ENDING_RACES_SEED=${SEED}`);
+t.comment(`ENDING_RACES_SEED=${SEED}`);
+
+for (const apart of [true, false]) {
+  t.test(`answers, retries, cancels and deadlines racing, ${apart ? 'the API and the worker apart' : 'in one process'}: each request ends once, and its rows, its event and its wait=true answer agree`, async (t) => {
+    await race(t, apart);
+  });
+}
+
+async function race(t: Test, apart: boolean) {
   const failedOnce = new Set<number>();
   const upstream = await startFakeUpstream(t, async (call) => {
     const content = (call.body as { messages: { content: string }[] }).messages[0]!.content;
@@ -44,8 +52,8 @@ t.test('answers, retries, cancels and deadlines racing: each request ends once, 
     return { status: 200, json: completionFor(call.body) };
   });
   const env = { UPSTREAM_BASE_URL: upstream.baseUrl, WEBHOOK_ALLOW_PRIVATE: 'true', UPSTREAM_TIMEOUT_MS: '5000', WAIT_TIMEOUT_MS: '10000' };
-  const api = await startTestGateway(t, { role: 'api', env });
-  await startTestGateway(t, { role: 'worker', env, databaseUrl: api.databaseUrl });
+  const api = await startTestGateway(t, { role: apart ? 'api' : 'all', env });
+  if (apart) await startTestGateway(t, { role: 'worker', env, databaseUrl: api.databaseUrl });
   const key = await api.createKey({ mode: 'live', deadlineMs: DEADLINE_MS });
   const receiver = await startReceiver(t);
   receiver.secrets.push((await addTestEndpoint(api, { url: receiver.url })).secret);
@@ -127,5 +135,4 @@ t.test('answers, retries, cancels and deadlines racing: each request ends once, 
     }
   }
   t.same(eventProblems.slice(0, 20), [], 'each request has one event, of the end it met');
-});
-
+}
