@@ -1,10 +1,14 @@
-// A worker frozen past WORKER_DEAD_AFTER_MS with calls under way, as a long pause of its machine
+// A worker frozen past WORKER_DEAD_AFTER_MS with work under way, as a long pause of its machine
 // or of its process does (SIGSTOP here), while another worker stands by, then resumed (SIGCONT).
-// The other worker takes it for dead: it records its attempts as worker_lost and runs them again.
-// Once resumed, while those second attempts are still under way, the frozen worker gets its
-// calls' answers, late: it must record none of them, neither as its attempt's outcome nor as its
-// request's. Every request then completes once, with the answer of its second attempt and one
-// webhook event; and the resumed worker goes on working, alone once the other has stopped.
+// The other worker takes it for dead, and hands its work back. Once resumed, the frozen worker
+// gets the answers of what it had under way, late, and must record none of them:
+// - its upstream calls: the other worker records their attempts as worker_lost and calls again.
+//   The late answers come while those second calls are still under way; every request then
+//   completes once, with the answer of its second attempt and one webhook event; and the resumed
+//   worker goes on working, alone once the other has stopped;
+// - its webhook tries: the other worker records them as failed and tries again, with the same
+//   webhook-id. The late 2xx answers change nothing of the messages, each delivered by its second
+//   try.
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { addEndpoint } from '../../src/webhooks/endpoints.ts';
@@ -16,14 +20,25 @@ import { dispatchJobs } from '../helpers/rows.ts';
 import { parseLine } from '../helpers/serve.ts';
 import { completionFor, startFakeUpstream, type ReceivedCall } from '../helpers/upstream.ts';
 import { waitFor } from '../helpers/wait.ts';
-import { startReceiver } from '../webhooks/support.ts';
+import { messagesOf, startReceiver, triesOf } from '../webhooks/support.ts';
 
 const SCENARIO = 'worker-frozen';
 const REQUESTS = 40;
 const MAX_ATTEMPTS = 5;
 const DEAD_AFTER_MS = 2_000;
-// What a worker logs, at debug level, once it has gone to record an attempt that succeeded (src/worker/attempts.ts).
+// What a worker logs, at debug level, once it has gone to record an attempt that succeeded
+// (src/worker/attempts.ts), and a webhook try that was answered 2xx (src/webhooks/deliverer.ts).
 const SUCCEEDED = 'attempt succeeded';
+const DELIVERED = 'webhook delivered';
+// Webhook tries under way when the worker is frozen: at most WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT (10).
+const TRIES = 10;
+
+/** How many lines of the process's log have this message, and `stale: true`. */
+const staleLines = (lines: readonly string[], msg: string) =>
+  lines.filter((line) => {
+    const entry = parseLine(line);
+    return entry?.msg === msg && entry.stale === true;
+  }).length;
 
 /** A completion whose content says which call of its request answered it. */
 const completionSaying = (call: ReceivedCall, which: 'late' | 'again') => {
@@ -92,13 +107,8 @@ t.test('a worker frozen past WORKER_DEAD_AFTER_MS with its calls under way, then
   release.first();
   const firstCalls = upstream.calls.slice(0, REQUESTS);
   t.ok(await waitFor(() => firstCalls.every((call) => call.endedAt !== undefined), 10_000), 'the late answers reached the resumed worker');
-  const stale = () =>
-    frozen.lines.filter((line) => {
-      const entry = parseLine(line);
-      return entry?.msg === SUCCEEDED && entry.attempt === 1 && entry.stale === true;
-    }).length;
-  await waitFor(() => stale() >= REQUESTS, 15_000);
-  t.equal(stale(), REQUESTS, 'the resumed worker went to record each late answer, and found its attempt recorded already');
+  await waitFor(() => staleLines(frozen.lines, SUCCEEDED) >= REQUESTS, 15_000);
+  t.equal(staleLines(frozen.lines, SUCCEEDED), REQUESTS, 'the resumed worker went to record each late answer, and found its attempt recorded already');
   const meanwhile = await requestsWithAttempts(faults.pool, ids);
   t.same(
     meanwhile
@@ -168,6 +178,67 @@ t.test('a worker frozen past WORKER_DEAD_AFTER_MS with its calls under way, then
     `the resumed worker, alone, completed 5 new requests (${JSON.stringify(moreEnded.byStatus)})`,
   );
   t.equal((await dispatchJobs(faults.db)).length, 0, 'no dispatch_queue job is left behind, locked or not');
+
+  await faults.finish(t);
+});
+
+t.test('a worker frozen past WORKER_DEAD_AFTER_MS with webhook tries under way, then resumed: the tries are made again elsewhere, and their late answers change nothing', async (t) => {
+  // The first try of each message is answered 204 once the frozen worker is resumed; any later one at once.
+  let releaseFirstTries = () => {};
+  const resumed = new Promise<void>((resolve) => (releaseFirstTries = resolve));
+  const tried = new Set<string>();
+  const receiver = await startReceiver(t, async (delivery) => {
+    const id = String(delivery.headers['webhook-id']);
+    if (!tried.has(id)) {
+      tried.add(id);
+      await resumed;
+    }
+    return { status: 204 };
+  });
+  const faults = await faultContext(t, `${SCENARIO}-webhooks`);
+  const env = { WORKER_DEAD_AFTER_MS: String(DEAD_AFTER_MS), SHUTDOWN_GRACE_MS: '1000', WEBHOOK_ALLOW_PRIVATE: 'true' };
+  const api = await faults.start('api', { env });
+  const project = 'worker-frozen-webhooks';
+  const key = await faults.createKey({ project, mode: 'test' });
+  const endpoint = await addEndpoint(faults.db, { encryptionKey: faults.encryptionKey, allowPrivate: true }, { project, url: receiver.url });
+  recordSecret(`${SCENARIO}-webhooks`, 'webhook_secret', endpoint.secret);
+  recordSecret(`${SCENARIO}-webhooks`, 'webhook_secret', endpoint.secret.slice('whsec_'.length));
+  receiver.secrets.push(endpoint.secret);
+
+  // The first worker runs every request, and starts the try of each one's event; the second
+  // starts once the tries are all under way.
+  const frozen = await faults.start('worker', { label: 'worker-frozen', env: { ...env, LOG_LEVEL: 'debug' } });
+  const accepted = await Promise.all(
+    Array.from({ length: TRIES }, (_, i) =>
+      call(api.url!, { path: '/v1/chat/completions', key, body: { model: 'test-echo', messages: [{ role: 'user', content: privateContent(`frozen webhook ${i}`) }] } }),
+    ),
+  );
+  t.equal(tally(accepted.map((answer) => answer.status)), `202: ${TRIES}`, `all ${TRIES} acknowledged`);
+  t.ok(await waitFor(() => receiver.open >= TRIES, 30_000), `the first worker has the ${TRIES} tries under way (${receiver.open})`);
+  await faults.start('worker', { label: 'worker-other', env });
+
+  frozen.signal('SIGSTOP');
+  t.teardown(() => frozen.signal('SIGCONT'));
+  const delivered = async () => (await messagesOf(faults.db)).filter((message) => message.status === 'delivered').length;
+  t.ok(await waitFor(async () => (await delivered()) >= TRIES, 30_000), `while the first worker is frozen, the other delivers every message again (${await delivered()})`);
+
+  frozen.signal('SIGCONT');
+  releaseFirstTries();
+  await waitFor(() => staleLines(frozen.lines, DELIVERED) >= TRIES, 15_000);
+  t.equal(staleLines(frozen.lines, DELIVERED), TRIES, 'the resumed worker went to record each late 2xx, and found its try handed back');
+
+  const messages = await messagesOf(faults.db);
+  t.same(messages.map((message) => message.status), Array(TRIES).fill('delivered'), 'every message delivered');
+  const tries = await Promise.all(messages.map(async (message) => (await triesOf(faults.db, message.id)).map((row) => `${row.try_number} ${row.outcome}`).join(', ')));
+  t.same(tries, Array(TRIES).fill('1 failed, 2 succeeded'), "each: its first try recorded failed (handed back), its second succeeded; the late answer recorded nowhere");
+  const byMessage = new Map<string, number>();
+  for (const delivery of receiver.deliveries) byMessage.set(String(delivery.headers['webhook-id']), (byMessage.get(String(delivery.headers['webhook-id'])) ?? 0) + 1);
+  t.same(
+    messages.map((message) => byMessage.get(message.id)),
+    Array(TRIES).fill(2),
+    'the receiver got each message twice, with its webhook-id both times (as Standard Webhooks lets it tell)',
+  );
+  t.ok(receiver.deliveries.every((delivery) => delivery.verifiedWith.length === 1), 'every delivery verified');
 
   await faults.finish(t);
 });
