@@ -25,10 +25,10 @@ export type CancelOutcome =
  * started the request while the cancel waited for its lock committed the attempt's row after
  * that: an update would miss it, leaving the cancelled request's attempt running, for its worker
  * to record as succeeded. An insert's conflict finds the row however late it was committed. (A
- * processing request always has its attempt's row: the insert never adds one.) For the same
- * claim, the request's end is timed when its row is locked (clock_timestamp()), not when the
- * statement began (now()): the claim's attempt may have started in between, and would seem to
- * have started after its request ended, and run for a negative time.
+ * processing request always has its attempt's row: the insert never adds one.) The end is timed
+ * when the row is locked (clock_timestamp()), not when the statement began (now()): that claim's
+ * attempt may have started in between, and would otherwise seem to have started after its
+ * request ended, and to have run for a negative time.
  */
 export async function cancelRequest(
   db: Db,
