@@ -114,12 +114,11 @@ export class Batcher<Item, Result> {
         for (const pending of group) pending.reject(error);
         return;
       }
-      // One bad item must not fail its neighbours: write each alone to find it.
-      await Promise.all(
-        group.map((pending) =>
-          this.#write([pending.item]).then(([result]) => pending.resolve(result!), pending.reject),
-        ),
-      );
+      // One bad item must not fail its neighbours: write each alone to find it, one after
+      // another in the group's own turn, so that statements under way stay within maxInFlight.
+      for (const pending of group) {
+        await this.#write([pending.item]).then(([result]) => pending.resolve(result!), pending.reject);
+      }
     }
   }
 }

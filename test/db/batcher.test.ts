@@ -80,3 +80,22 @@ t.test('one bad item fails alone: its neighbours are written again one by one', 
   t.same((await settled).map((result) => result.status), ['fulfilled', 'rejected', 'fulfilled']);
   t.same(groups, [[0], [12], [14]], 'the group of three failed; 12 and 14 were then written alone');
 });
+
+t.test('the items of a failed group are written alone in its turn: statements under way stay within maxInFlight', async (t) => {
+  let underWay = 0;
+  let most = 0;
+  const batcher = new Batcher<number, number>(
+    async (items) => {
+      underWay++;
+      most = Math.max(most, underWay);
+      await new Promise((resolve) => setTimeout(resolve, 5));
+      underWay--;
+      if (items.length > 1) throw new Error('a bad item among them');
+      return items;
+    },
+    { maxInFlight: 3, maxBatch: 50 },
+  );
+  const results = await Promise.all(Array.from({ length: 40 }, (_, i) => batcher.submit(i)));
+  t.same(results, Array.from({ length: 40 }, (_, i) => i), 'each written alone, with its own result');
+  t.ok(most <= 3, `at most 3 statements under way at once (${most})`);
+});
