@@ -116,8 +116,18 @@ export class Batcher<Item, Result> {
       }
       // One bad item must not fail its neighbours: write each alone to find it, one after
       // another in the group's own turn, so that statements under way stay within maxInFlight.
-      for (const pending of group) {
-        await this.#write([pending.item]).then(([result]) => pending.resolve(result!), pending.reject);
+      // Should the database become unavailable meanwhile, the rest fail at once, as a group does.
+      for (const [index, pending] of group.entries()) {
+        try {
+          const [result] = await this.#write([pending.item]);
+          pending.resolve(result!);
+        } catch (error) {
+          if (isDatabaseUnavailable(error)) {
+            for (const rest of group.slice(index)) rest.reject(error);
+            return;
+          }
+          pending.reject(error);
+        }
       }
     }
   }

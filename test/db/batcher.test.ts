@@ -99,3 +99,22 @@ t.test('the items of a failed group are written alone in its turn: statements un
   t.same(results, Array.from({ length: 40 }, (_, i) => i), 'each written alone, with its own result');
   t.ok(most <= 3, `at most 3 statements under way at once (${most})`);
 });
+
+t.test('the database unavailable while a failed group is written alone: the rest fail at once, unwritten', async (t) => {
+  const written: number[] = [];
+  const refused = Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' });
+  const batcher = new Batcher<number, number>(
+    async (items) => {
+      if (items.length > 1) throw new Error('a bad item among them');
+      if (items[0] === 2) throw refused;
+      written.push(items[0]!);
+      return items;
+    },
+    { maxInFlight: 1, maxBatch: 10 },
+  );
+  const first = batcher.submit(0);
+  const settled = Promise.allSettled([1, 2, 3, 4].map((item) => batcher.submit(item)));
+  await first;
+  t.same((await settled).map((result) => (result.status === 'rejected' ? (result.reason === refused ? 'unavailable' : 'other') : 'written')), ['written', 'unavailable', 'unavailable', 'unavailable']);
+  t.same(written, [0, 1], 'nothing written after the database was found unavailable');
+});
