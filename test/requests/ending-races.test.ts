@@ -38,6 +38,7 @@ for (const apart of [true, false]) {
   });
 }
 
+/** The races, on a gateway of their own: its API and its worker in two processes (apart), or in one. */
 async function race(t: Test, apart: boolean) {
   const failedOnce = new Set<number>();
   const upstream = await startFakeUpstream(t, async (call) => {
