@@ -26,9 +26,10 @@ export type CancelOutcome =
  * that: an update would miss it, leaving the cancelled request's attempt running, for its worker
  * to record as succeeded. An insert's conflict finds the row however late it was committed. (A
  * processing request always has its attempt's row: the insert never adds one.) The end is timed
- * when the row is locked (clock_timestamp()), not when the statement began (now()): that claim's
- * attempt may have started in between, and would otherwise seem to have started after its
- * request ended, and to have run for a negative time.
+ * as the row is read for its lock (clock_timestamp()), not when the statement began (now()): that
+ * claim's attempt may have started in between, and would otherwise seem to have started after its
+ * request ended, and to have run for a negative time. A row that changed while the lock was
+ * awaited is read again once it is locked (its new status, its new time).
  */
 export async function cancelRequest(
   db: Db,
@@ -41,13 +42,13 @@ export async function cancelRequest(
   const { rows } = await sql<Omit<RecordRow, 'result'> & { previous_status: RequestStatus }>`
     with target as (
       select requests.id, requests.status as previous_status, requests.attempts, requests.created_at,
-             requests.updated_at, requests.last_error_code
+             requests.updated_at, requests.last_error_code, clock_timestamp() as ended_at
       from gateway.requests
       where requests.id = ${id} and requests.project_id = ${scope.project_id} and requests.mode = ${scope.mode}
       for update
     ), cancelled as (
       update gateway.requests
-      set status = 'cancelled', finished_at = clock_timestamp(), next_attempt_at = null, updated_at = clock_timestamp()
+      set status = 'cancelled', finished_at = target.ended_at, next_attempt_at = null, updated_at = target.ended_at
       from target
       where requests.id = target.id and target.previous_status in ('queued', 'retrying', 'processing')
       returning requests.id, requests.status, requests.attempts, requests.finished_at, requests.updated_at, target.previous_status

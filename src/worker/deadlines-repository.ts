@@ -24,7 +24,7 @@ export interface Expired {
 export async function expireRequests(db: Db, limit: number): Promise<Expired[]> {
   const { rows } = await sql<{ mode: KeyMode; previous_status: Expired['from']; count: string }>`
     with due as (
-      select requests.id, requests.status
+      select requests.id, requests.status, clock_timestamp() as ended_at
       from gateway.requests
       where requests.finished_at is null and requests.deadline_at <= now()
       order by requests.deadline_at
@@ -32,8 +32,8 @@ export async function expireRequests(db: Db, limit: number): Promise<Expired[]> 
       for update skip locked
     ), expired as (
       update gateway.requests
-      set status = 'failed', last_error_code = ${DEADLINE_EXCEEDED}, finished_at = clock_timestamp(), next_attempt_at = null,
-          updated_at = clock_timestamp()
+      set status = 'failed', last_error_code = ${DEADLINE_EXCEEDED}, finished_at = due.ended_at, next_attempt_at = null,
+          updated_at = due.ended_at
       from due
       where requests.id = due.id
       returning requests.id, requests.mode, requests.attempts, requests.finished_at, due.status as previous_status
@@ -41,7 +41,8 @@ export async function expireRequests(db: Db, limit: number): Promise<Expired[]> 
       -- An insert that finds the attempt's row, as a cancel's does (requests/cancel-repository.ts):
       -- a claim that committed after this statement began, but before its lock on the request,
       -- wrote an attempt row an update would not see. For that claim too, the request's end is
-      -- timed when its row is locked, not when the statement began (as a cancel's is).
+      -- timed as its row is read for its lock (read again if it changed meanwhile), not when the
+      -- statement began (as a cancel's is).
       insert into gateway.request_attempts as attempts
         (request_id, attempt_number, outcome, error_code, error_detail, finished_at, duration_ms)
       select expired.id, expired.attempts, 'failed', ${DEADLINE_EXCEEDED}, 'the request''s deadline passed during the call', expired.finished_at, 0
