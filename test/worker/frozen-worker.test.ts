@@ -25,7 +25,9 @@ import { messagesOf, startReceiver, triesOf } from '../webhooks/support.ts';
 const SCENARIO = 'worker-frozen';
 const REQUESTS = 40;
 const MAX_ATTEMPTS = 5;
-const DEAD_AFTER_MS = 2_000;
+// Long enough that the worker left running, beating every fifth of it, is never taken for dead by
+// a stall of its own on a busy machine (the frozen one, resumed, sweeps too).
+const DEAD_AFTER_MS = 4_000;
 // What a worker logs, at debug level, once it has gone to record an attempt that succeeded
 // (src/worker/attempts.ts), and a webhook try that was answered 2xx (src/webhooks/deliverer.ts).
 const SUCCEEDED = 'attempt succeeded';
