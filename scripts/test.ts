@@ -17,10 +17,10 @@
 // 3. after them, the files of `tap.serial` one at a time: those that time or load the machine,
 //    and would fail for want of CPU on two cores beside other files. Those of LOADED, which keep
 //    both cores busy, last. (Beside the long files, on a machine twice as slow as the others, a
-//    time bound of one file or another, serial or long, failed in four runs out of five. Among
-//    the long files, on a slow machine, fault 1's killed worker had its calls started again
-//    10.1 s after the kill, past the 10 s it bounds: 7 s at most to find it dead, and the rest,
-//    about 0.3 s on an idle machine, took over 3 s.)
+//    time bound of one file or another, serial or long, failed in four runs out of five. Fault
+//    1 bounds a killed worker's calls to start again within 10 s of the kill: 7 s at most to find
+//    it dead, then about 0.3 s on an idle machine; beside the long files, on a slow machine, that
+//    0.3 s can take over 3 s.)
 // 4. the files of ALONE, one at a time with nothing beside them: the noisy neighbour, whose
 //    figure is a ratio of latencies that any other work on the machine skews, and the replanning
 //    test, whose early plans any cluster-wide cache reset replaces.

@@ -4,12 +4,11 @@
 // standardwebhooks package, of its request's final status: none lost, each exactly once after
 // deduplication on webhook-id (a duplicate is a retry of the same id).
 import t from 'tap';
-import { addEndpoint } from '../../src/webhooks/endpoints.ts';
 import { call, spread, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { queueSummary, waitUntilTerminal } from './support/rows.ts';
-import { privateContent, recordSecret } from './support/run.ts';
+import { privateContent } from './support/run.ts';
 import { startWebhookReceiver } from './support/webhook-receiver.ts';
 
 const SCENARIO = '7-webhook-receiver-down';
@@ -28,12 +27,7 @@ t.test('a webhook receiver down for 30 s while 2,000 requests end: once it is ba
   const api = await faults.start('api', { env });
   await faults.start('worker', { env });
   const key = await faults.createKey({ project: 'faults-webhooks', mode: 'test' });
-  const endpoint = await addEndpoint(faults.db, { encryptionKey: faults.encryptionKey, allowPrivate: true }, {
-    project: 'faults-webhooks',
-    url: receiver.url,
-  });
-  recordSecret(SCENARIO, 'webhook_secret', endpoint.secret);
-  recordSecret(SCENARIO, 'webhook_secret', endpoint.secret.slice('whsec_'.length));
+  const endpoint = await faults.addEndpoint({ project: 'faults-webhooks', url: receiver.url });
   receiver.secret = endpoint.secret;
 
   // 100 requests a second for 20 s, 1 in 10 failing; the receiver goes down 3 s in.

@@ -62,7 +62,6 @@ import { availableParallelism } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { formatDiskWaits } from '../../scripts/disk-waits.ts';
-import { addEndpoint } from '../../src/webhooks/endpoints.ts';
 import type { CreatedKey } from '../../src/keys/service.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { faultContext } from './support/context.ts';
@@ -97,7 +96,7 @@ import {
   type ThreadPhase,
   type WalCounters,
 } from './support/neighbour.ts';
-import { recordSecret, UPSTREAM_API_KEY } from './support/run.ts';
+import { UPSTREAM_API_KEY } from './support/run.ts';
 
 const SCENARIO = '8-noisy-neighbour';
 const SHARED_MODEL = 'gpt-neighbour';
@@ -239,15 +238,10 @@ t.test(`a noisy neighbour (attacks: ${RUNNING.join(', ') || 'none'}): B fails no
     'invented-models': await faults.createKey({ project: 'neighbour-a', mode: 'live' }),
     'webhook-hang': await faults.createKey({ project: 'neighbour-a', mode: 'test' }),
   };
-  const webhookSettings = { encryptionKey: faults.encryptionKey, allowPrivate: true };
-  const bEndpoint = await addEndpoint(faults.db, webhookSettings, { project: 'neighbour-b', url: receiverUrl });
-  for (const secret of [bEndpoint.secret, bEndpoint.secret.slice('whsec_'.length)]) recordSecret(SCENARIO, 'webhook_secret', secret);
+  const bEndpoint = await faults.addEndpoint({ project: 'neighbour-b', url: receiverUrl });
   await tenant.ask('secret', bEndpoint.secret);
   // A's endpoint that never answers is part of the webhook-hang attack: without it, A has none.
-  if (RUNNING.includes('webhook-hang')) {
-    const aEndpoint = await addEndpoint(faults.db, webhookSettings, { project: 'neighbour-a', url: hangingUrl });
-    for (const secret of [aEndpoint.secret, aEndpoint.secret.slice('whsec_'.length)]) recordSecret(SCENARIO, 'webhook_secret', secret);
-  }
+  if (RUNNING.includes('webhook-hang')) await faults.addEndpoint({ project: 'neighbour-a', url: hangingUrl });
 
   // Postgres's processes are measured when the server runs on this machine.
   const { rows: backendRows } = await faults.pool.query<{ pid: number }>('select pg_backend_pid() as pid');

@@ -11,11 +11,10 @@
 //   try.
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
-import { addEndpoint } from '../../src/webhooks/endpoints.ts';
 import { call, tally } from '../faults/support/client.ts';
 import { faultContext } from '../faults/support/context.ts';
 import { lifecycleProblems, queueSummary, requestsWithAttempts, waitUntilTerminal } from '../faults/support/rows.ts';
-import { privateContent, recordSecret } from '../faults/support/run.ts';
+import { privateContent } from '../faults/support/run.ts';
 import { dispatchJobs } from '../helpers/rows.ts';
 import { parseLine } from '../helpers/serve.ts';
 import { completionFor, startFakeUpstream, type ReceivedCall } from '../helpers/upstream.ts';
@@ -53,16 +52,16 @@ t.test('a worker frozen past WORKER_DEAD_AFTER_MS with its calls under way, then
   // Each request's first call is answered "late" once the frozen worker is resumed; its second
   // "again", once the late answers have been seen.
   const release = { first: () => {}, second: () => {} };
-  const first = new Promise<void>((resolve) => (release.first = resolve));
-  const second = new Promise<void>((resolve) => (release.second = resolve));
+  const firstReleased = new Promise<void>((resolve) => (release.first = resolve));
+  const secondReleased = new Promise<void>((resolve) => (release.second = resolve));
   const called = new Set<string>();
   const upstream = await startFakeUpstream(t, async (call) => {
     if (called.has(call.content)) {
-      await second;
+      await secondReleased;
       return completionSaying(call, 'again');
     }
     called.add(call.content);
-    await first;
+    await firstReleased;
     return completionSaying(call, 'late');
   });
   const receiver = await startReceiver(t);
@@ -78,10 +77,7 @@ t.test('a worker frozen past WORKER_DEAD_AFTER_MS with its calls under way, then
   const api = await faults.start('api', { env });
   const project = 'worker-frozen';
   const key = await faults.createKey({ project, mode: 'live' });
-  const endpoint = await addEndpoint(faults.db, { encryptionKey: faults.encryptionKey, allowPrivate: true }, { project, url: receiver.url });
-  recordSecret(SCENARIO, 'webhook_secret', endpoint.secret);
-  recordSecret(SCENARIO, 'webhook_secret', endpoint.secret.slice('whsec_'.length));
-  receiver.secrets.push(endpoint.secret);
+  receiver.secrets.push((await faults.addEndpoint({ project, url: receiver.url })).secret);
 
   const post = (i: number) =>
     call(api.url!, { path: '/v1/chat/completions', key, body: { model: 'gpt-frozen', messages: [{ role: 'user', content: privateContent(`frozen ${i}`) }] } });
@@ -202,10 +198,7 @@ t.test('a worker frozen past WORKER_DEAD_AFTER_MS with webhook tries under way, 
   const api = await faults.start('api', { env });
   const project = 'worker-frozen-webhooks';
   const key = await faults.createKey({ project, mode: 'test' });
-  const endpoint = await addEndpoint(faults.db, { encryptionKey: faults.encryptionKey, allowPrivate: true }, { project, url: receiver.url });
-  recordSecret(`${SCENARIO}-webhooks`, 'webhook_secret', endpoint.secret);
-  recordSecret(`${SCENARIO}-webhooks`, 'webhook_secret', endpoint.secret.slice('whsec_'.length));
-  receiver.secrets.push(endpoint.secret);
+  receiver.secrets.push((await faults.addEndpoint({ project, url: receiver.url })).secret);
 
   // The first worker runs every request, and starts the try of each one's event; the second
   // starts once the tries are all under way.

@@ -10,6 +10,7 @@ import { createDb, createPool, type Db } from '../../../src/db/pool.ts';
 import type { KeyMode } from '../../../src/ids.ts';
 import { createKey, type CreatedKey } from '../../../src/keys/service.ts';
 import { createLogger } from '../../../src/logger.ts';
+import { addEndpoint, type CreatedEndpoint } from '../../../src/webhooks/endpoints.ts';
 import type { Role } from '../../../src/main.ts';
 import { createTestDatabase } from '../../helpers/database.ts';
 import { searchLogs } from './logs.ts';
@@ -47,6 +48,8 @@ export interface FaultContext {
   pool: pg.Pool;
   db: Db;
   createKey(options: { project: string; mode: KeyMode }): Promise<CreatedKey>;
+  /** A webhook endpoint of the project (private addresses allowed), its secret recorded for the log search. */
+  addEndpoint(options: { project: string; url: string }): Promise<CreatedEndpoint>;
   /** A gateway process with the suite's settings plus `env`; not started yet. */
   process(role: Role, options?: { label?: string; env?: Record<string, string> }): Promise<GatewayProcess>;
   /** The same, started. */
@@ -115,6 +118,13 @@ export async function faultContext(
       recordSecret(scenario, 'api_key', key.api_key);
       recordSecret(scenario, 'signing_secret', key.signing_secret);
       return key;
+    },
+    async addEndpoint(endpointOptions) {
+      const endpoint = await addEndpoint(db, { encryptionKey, allowPrivate: true }, endpointOptions);
+      // As it is given, and without its prefix: what signs the deliveries.
+      recordSecret(scenario, 'webhook_secret', endpoint.secret);
+      recordSecret(scenario, 'webhook_secret', endpoint.secret.slice('whsec_'.length));
+      return endpoint;
     },
     process: make,
     async start(role, processOptions) {
