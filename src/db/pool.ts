@@ -48,6 +48,19 @@ const SET_SESSION = Object.entries(SESSION_SETTINGS)
   .join('; ');
 
 export function createPool(connectionString: string, options: PoolOptions): pg.Pool {
+  // A client losing its connection emits 'error', which would crash the process with nobody
+  // listening: idle clients on the pool, checked-out ones on the client (whose query then
+  // fails, and is handled where it was made). The pool replaces lost clients by itself.
+  const watch = (client: pg.ClientBase) => {
+    if (watched.has(client)) return;
+    watched.add(client);
+    client.on('error', (error) => {
+      // Emitted before pg fails the statements under way on this client, so their failures are
+      // known for a lost connection's (isDatabaseUnavailable).
+      lostClients.add(client);
+      options.logger.warn({ err: errorSummary(error), pool: options.applicationName }, 'database connection lost');
+    });
+  };
   const pool = new pg.Pool({
     connectionString,
     max: options.max,
@@ -59,27 +72,20 @@ export function createPool(connectionString: string, options: PoolOptions): pg.P
     statement_timeout: 30_000,
     idle_in_transaction_session_timeout: 60_000,
     keepAlive: true,
-    // On each new connection, before any statement of the caller it is handed to.
+    // On each new connection, before any statement of the caller it is handed to. Watched from
+    // here on: the pool announces the connection ('connect') only once these have run, and a
+    // connection lost meanwhile would be handed out unknown (see usableClient).
     ...((options.sessionSettings ?? true) && {
       onConnect: async (client: pg.ClientBase) => {
+        watch(client);
         await client.query(SET_SESSION);
       },
     }),
   });
-  // A client losing its connection emits 'error', which would crash the process with nobody
-  // listening: idle clients on the pool, checked-out ones on the client (whose query then
-  // fails, and is handled where it was made). The pool replaces lost clients by itself.
   pool.on('error', (error) => {
     options.logger.warn({ err: errorSummary(error), pool: options.applicationName }, 'idle database connection lost');
   });
-  pool.on('connect', (client) => {
-    client.on('error', (error) => {
-      // Emitted before pg fails the statements under way on this client, so their failures are
-      // known for a lost connection's (isDatabaseUnavailable).
-      lostClients.add(client);
-      options.logger.warn({ err: errorSummary(error), pool: options.applicationName }, 'database connection lost');
-    });
-  });
+  pool.on('connect', watch);
   return pool;
 }
 
@@ -133,13 +139,7 @@ function preparing(pool: pg.Pool): PostgresPool {
     options: pool.options,
     end: () => pool.end(),
     async connect(): Promise<PostgresPoolClient> {
-      let client: pg.PoolClient;
-      try {
-        client = await pool.connect();
-      } catch (error) {
-        // (A pool that is ending is no outage: nothing should be waiting to try again.)
-        throw pool.ending ? error : noConnection(error);
-      }
+      const client = await usableClient(pool);
       const run = (query: pg.QueryConfig) =>
         client.query(query).catch((error: unknown) => {
           throw lostClients.has(client) ? noConnection(error) : error;
@@ -159,13 +159,40 @@ function preparing(pool: pg.Pool): PostgresPool {
   };
 }
 
+/** Lost connections one caller is handed at most before its statement fails as the database's unavailability. */
+const HAND_OUT_TRIES = 3;
+
+/**
+ * A pooled connection that has not been lost. pg-pool hands out a new connection even if it was
+ * lost after its session settings ran: Postgres ending a backend as it answered them
+ * (pg_terminate_backend, a restart), its FATAL read together with their answer. Its first
+ * statement would fail with a message alone ("not queryable"); another connection is taken
+ * instead, a few times before the failure is the database's unavailability.
+ */
+async function usableClient(pool: pg.Pool): Promise<pg.PoolClient> {
+  for (let tries = 1; ; tries++) {
+    let client: pg.PoolClient;
+    try {
+      client = await pool.connect();
+    } catch (error) {
+      // (A pool that is ending is no outage: nothing should be waiting to try again.)
+      throw pool.ending ? error : noConnection(error);
+    }
+    if (!lostClients.has(client)) return client;
+    client.release(true);
+    if (tries === HAND_OUT_TRIES) throw noConnection(new Error('database connection lost as it was handed out'));
+  }
+}
+
 // What isDatabaseUnavailable knows of pg's own failures, which carry no SQLSTATE and are bare
 // Errors told apart only by their messages ("timeout exceeded when trying to connect",
 // "Connection terminated unexpectedly", "Client has encountered a connection error and is not
 // queryable"...): they are known here by where they happened instead. A statement failing on a
 // client that reported its connection lost (lostClients), or a connection that could not be had
 // at all, is marked unavailable (noConnection), whatever pg's message.
-const lostClients = new WeakSet<pg.PoolClient>();
+const lostClients = new WeakSet<pg.ClientBase>();
+/** Clients whose 'error' is listened for (createPool). */
+const watched = new WeakSet<pg.ClientBase>();
 const unavailableErrors = new WeakSet<object>();
 
 /**

@@ -168,3 +168,64 @@ t.test("pg's own failures to get or keep a connection are unavailable, though th
   t.ok(isDatabaseUnavailable(waited), 'no pooled connection free in time');
   t.same((await sql<{ one: number }>`select 1 as one`.execute(db)).rows, [{ one: 1 }], 'and the pool serves again');
 });
+
+t.test('a connection Postgres ends as it answers its session settings is not handed out: the statement runs on another', async (t) => {
+  const url = await createTestDatabase(t);
+  const proxy = await startTcpProxy(t, url);
+  const logs: Record<string, unknown>[] = [];
+  const pool = createPool(proxy.url, { max: 2, applicationName: 'unavailable-hand-out', logger: createLogger({ logLevel: 'warn' }, lineSink(logs)) });
+  t.teardown(() => pool.end());
+  const db = createDb(pool);
+
+  // The answer to the settings of the pool's first connection (its SETs), and in the same read
+  // the FATAL that pg_terminate_backend has Postgres send, then the end of the connection.
+  let ended = 0;
+  proxy.afterNextReply(
+    'unavailable-hand-out',
+    (client) => {
+      client.end(fatal('57P01', 'terminating connection due to administrator command'));
+      ended++;
+    },
+    (reply) => reply.includes('SET\0'),
+  );
+  const { rows } = await sql<{ one: number }>`select 1 as one`.execute(db);
+  t.equal(ended, 1, 'the first connection was ended as it answered its settings');
+  t.same(rows, [{ one: 1 }], 'the statement ran, on another connection');
+  t.ok(logs.some((entry) => entry.msg === 'database connection lost'), 'the lost connection was logged');
+  t.same((await sql<{ one: number }>`select 1 as one`.execute(db)).rows, [{ one: 1 }], 'and the pool serves on');
+});
+
+t.test('a pool whose every new connection is ended as it is handed out fails its statement as unavailable', async (t) => {
+  const url = await createTestDatabase(t);
+  const proxy = await startTcpProxy(t, url);
+  const pool = createPool(proxy.url, { max: 2, applicationName: 'unavailable-hand-outs', logger });
+  t.teardown(() => pool.end());
+  const db = createDb(pool);
+  const endNext = () =>
+    proxy.afterNextReply(
+      'unavailable-hand-outs',
+      (client) => {
+        client.end(fatal('57P01', 'terminating connection due to administrator command'));
+        endNext();
+      },
+      (reply) => reply.includes('SET\0'),
+    );
+  endNext();
+  const failed = await sql`select 1`.execute(db).then(() => undefined, (error: unknown) => error);
+  t.type(failed, Error);
+  t.ok(isDatabaseUnavailable(failed), `unavailable: ${(failed as Error).message}`);
+});
+
+/** A backend's ErrorResponse: severity FATAL, its SQLSTATE and message. */
+function fatal(code: string, message: string): Buffer {
+  const fields = Buffer.from(`SFATAL\0VFATAL\0C${code}\0M${message}\0\0`);
+  const head = Buffer.alloc(5);
+  head.write('E', 0);
+  head.writeInt32BE(4 + fields.length, 1);
+  return Buffer.concat([head, fields]);
+}
+
+/** A log destination keeping each line's entry. */
+function lineSink(entries: Record<string, unknown>[]): { write(line: string): void } {
+  return { write: (line) => void entries.push(JSON.parse(line) as Record<string, unknown>) };
+}

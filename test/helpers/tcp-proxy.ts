@@ -31,15 +31,17 @@ export interface TcpProxy {
   open(): (string | undefined)[];
   /**
    * Once: calls `then` right after forwarding the next bytes from Postgres to a connection of
-   * this application_name, in the same callback, so before a client in this process has read them.
+   * this application_name (the next that `matches`, when given), in the same callback, so before
+   * a client in this process has read them. What `then` writes to the client's socket is read
+   * with them.
    */
-  afterNextReply(applicationName: string, then: () => void): void;
+  afterNextReply(applicationName: string, then: (client: net.Socket) => void, matches?: (reply: Buffer) => boolean): void;
 }
 
 export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<TcpProxy> {
   const target = new URL(databaseUrl);
   const connections = new Set<Forwarded>();
-  const hooks: { applicationName: string; then: () => void }[] = [];
+  const hooks: { applicationName: string; then: (client: net.Socket) => void; matches: ((reply: Buffer) => boolean) | undefined }[] = [];
   let cut = false;
   const drop = (forwarded: Forwarded) => {
     connections.delete(forwarded);
@@ -65,8 +67,8 @@ export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<T
     upstream.on('data', (chunk: Buffer) => {
       if (forwarded.silenced) return;
       client.write(chunk);
-      const hook = hooks.findIndex((entry) => entry.applicationName === forwarded.applicationName);
-      if (hook >= 0) hooks.splice(hook, 1)[0]!.then();
+      const hook = hooks.findIndex((entry) => entry.applicationName === forwarded.applicationName && (entry.matches?.(chunk) ?? true));
+      if (hook >= 0) hooks.splice(hook, 1)[0]!.then(client);
     });
     for (const socket of [client, upstream]) {
       socket.on('error', () => drop(forwarded));
@@ -103,7 +105,7 @@ export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<T
       return count;
     },
     open: () => [...connections].map((connection) => connection.applicationName),
-    afterNextReply: (applicationName, then) => void hooks.push({ applicationName, then }),
+    afterNextReply: (applicationName, then, matches) => void hooks.push({ applicationName, then, matches }),
   };
 }
 
