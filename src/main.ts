@@ -11,6 +11,7 @@ import { shareMetricsWithPrimary, startCluster } from './cluster.ts';
 import { ConfigError, type Config } from './config.ts';
 import { assertMigrationsUnchanged, migrate, schemaVersion } from './db/migrate.ts';
 import { createDb, createPool, type Db } from './db/pool.ts';
+import { whileUnavailable } from './db/retry.ts';
 import { createApp, createMetricsApp, createOpsApp } from './http/app.ts';
 import { closeServer, listen, urlOf } from './http/server.ts';
 import { createLogger, type Logger } from './logger.ts';
@@ -260,7 +261,17 @@ function startRole(options: {
   const { config, logger, role, databaseUrl, childEnv } = options;
   return config.apiProcesses > 1 && role !== 'worker'
     ? startApiCluster({ config, logger, role, databaseUrl, childEnv })
-    : startGateway({ config, logger, role, databaseUrl });
+    : whenAvailable(() => startGateway({ config, logger, role, databaseUrl }), logger);
+}
+
+/**
+ * Runs `step` of a start again while it fails for the database being unavailable (not up yet,
+ * restarting, out of connections), as statements ride out an outage: a gateway started before its
+ * database, or while it restarts, waits for it. Any other failure (a wrong password, a schema
+ * this code does not expect) stops the start at once.
+ */
+function whenAvailable<T>(step: () => Promise<T>, logger: Logger): Promise<T> {
+  return whileUnavailable(step, { log: { logger, message: 'database unavailable at start; waiting for it' } });
 }
 
 /**
@@ -273,7 +284,7 @@ export async function start(baseConfig: Config): Promise<void> {
   try {
     const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
     const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger, sessionSettings: false });
-    await migrate(pool, logger).finally(() => pool.end());
+    await whenAvailable(() => migrate(pool, logger), logger).finally(() => pool.end());
     const gateway = await startRole({
       config,
       logger,
@@ -321,7 +332,7 @@ async function startApiCluster(options: {
   // An API process whose keys cannot decrypt the signing secrets stops at once; the primary
   // checks first, rather than replace such processes for ever.
   const checkPool = createPool(databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger, sessionSettings: false });
-  await assertSecretsDecrypt(createDb(checkPool), config).finally(() => checkPool.end());
+  await whenAvailable(() => assertSecretsDecrypt(createDb(checkPool), config), logger).finally(() => checkPool.end());
   return startCluster({
     config,
     logger,

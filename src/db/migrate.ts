@@ -15,7 +15,7 @@ import type pg from 'pg';
 import type { Logger } from '../logger.ts';
 import type { Database } from './database.ts';
 import { graphileLogger } from './graphile-logger.ts';
-import { SCHEMA } from './pool.ts';
+import { poolQuery, SCHEMA } from './pool.ts';
 
 const SQL_DIR = new URL('../../sql/', import.meta.url);
 const MIGRATION_FILE = /^(\d{6})\.sql$/;
@@ -176,11 +176,12 @@ async function tuneAddJobsPlans(client: pg.PoolClient): Promise<void> {
  * process's start: the same check that `gateway migrate` makes first.
  */
 export async function assertMigrationsUnchanged(pool: pg.Pool, source: MigrationSource = {}): Promise<void> {
-  const { rows: columns } = await pool.query(
+  const { rows: columns } = await poolQuery(
+    pool,
     `select from information_schema.columns where table_schema = '${SCHEMA}' and table_name = 'migrations' and column_name = 'sha256'`,
   );
   if (columns.length === 0) return;
-  const { rows } = await pool.query<Applied>(`select id, sha256 from ${SCHEMA}.migrations`);
+  const { rows } = await poolQuery<Applied>(pool, `select id, sha256 from ${SCHEMA}.migrations`);
   const changed = changedMigration(await listMigrations(source), new Map(rows.map((row) => [row.id, row.sha256])));
   if (changed) throw new MigrationChangedError(changed.file);
 }
@@ -188,8 +189,8 @@ export async function assertMigrationsUnchanged(pool: pg.Pool, source: Migration
 /** The newest applied migration and the newest this code knows; equal when the schema is current. */
 export async function schemaVersion(pool: pg.Pool): Promise<{ applied: number; expected: number }> {
   const expected = (await migrationFiles(SQL_DIR)).at(-1)?.id ?? 0;
-  const exists = await pool.query(`select to_regclass('${SCHEMA}.migrations') is not null as exists`);
+  const exists = await poolQuery<{ exists: boolean }>(pool, `select to_regclass('${SCHEMA}.migrations') is not null as exists`);
   if (!exists.rows[0]?.exists) return { applied: 0, expected };
-  const { rows } = await pool.query<{ applied: number | null }>(`select max(id) as applied from ${SCHEMA}.migrations`);
+  const { rows } = await poolQuery<{ applied: number | null }>(pool, `select max(id) as applied from ${SCHEMA}.migrations`);
   return { applied: rows[0]?.applied ?? 0, expected };
 }

@@ -184,6 +184,21 @@ async function usableClient(pool: pg.Pool): Promise<pg.PoolClient> {
   }
 }
 
+/**
+ * One statement on a usable connection of the pool, its failure judged as a prepared statement's
+ * is (isDatabaseUnavailable): for the few statements run on a pool rather than through kysely.
+ */
+export async function poolQuery<R extends pg.QueryResultRow>(pool: pg.Pool, text: string): Promise<pg.QueryResult<R>> {
+  const client = await usableClient(pool);
+  try {
+    return await client.query<R>(text);
+  } catch (error) {
+    throw lostClients.has(client) ? noConnection(error) : error;
+  } finally {
+    client.release();
+  }
+}
+
 // What isDatabaseUnavailable knows of pg's own failures, which carry no SQLSTATE and are bare
 // Errors told apart only by their messages ("timeout exceeded when trying to connect",
 // "Connection terminated unexpectedly", "Client has encountered a connection error and is not

@@ -1,0 +1,55 @@
+// A gateway started while its database cannot be reached waits for it, and starts once it can.
+import { randomBytes } from 'node:crypto';
+import { setTimeout as sleep } from 'node:timers/promises';
+import t from 'tap';
+import { createTestDatabase } from './helpers/database.ts';
+import { freePort } from './helpers/ports.ts';
+import { spawnServe } from './helpers/serve.ts';
+import { startTcpProxy } from './helpers/tcp-proxy.ts';
+import { until } from './helpers/wait.ts';
+
+for (const role of ['api', 'worker'] as const) {
+  t.test(`gateway serve --role ${role} started while the database is unreachable waits for it, and starts once it answers`, async (t) => {
+    const url = await createTestDatabase(t);
+    const proxy = await startTcpProxy(t, url);
+    proxy.cut();
+    const port = await freePort();
+    const gateway = spawnServe(
+      t,
+      {
+        DATABASE_URL: proxy.url,
+        SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+        PORT: String(port),
+        HOST: '127.0.0.1',
+        LOG_LEVEL: 'info',
+      },
+      ['--role', role],
+    );
+    await until(() => gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'the gateway to say it waits', 15_000);
+    await sleep(1_500);
+    t.ok(gateway.running, 'it waits, still running, while the database cannot be reached');
+    t.notOk(gateway.entries().some((entry) => entry.msg === 'gateway started'), 'and has not started');
+
+    proxy.restore();
+    await until(() => gateway.entries().some((entry) => entry.msg === 'gateway started'), 'the gateway to start', 15_000);
+    const ready = await fetch(`http://127.0.0.1:${port}/readyz`);
+    t.equal(ready.status, 200, 'then it serves, ready');
+    gateway.signal('SIGTERM');
+    t.match(await gateway.exited(), { code: 0 }, 'and stops cleanly');
+  });
+}
+
+t.test('gateway serve stops at once for a database that refuses it for a reason of its own', async (t) => {
+  const url = new URL(await createTestDatabase(t));
+  url.pathname = '/gateway_no_such_database';
+  const gateway = spawnServe(t, {
+    DATABASE_URL: url.toString(),
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    PORT: String(await freePort()),
+    HOST: '127.0.0.1',
+  }, ['--role', 'api']);
+  const exit = await gateway.exited();
+  t.not(exit.code, 0, 'it exits with an error');
+  t.match(gateway.output(), /gateway_no_such_database/, 'saying which database');
+  t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without waiting for it');
+});
