@@ -47,7 +47,7 @@ export interface FaultContext {
   /** The test's own pool and kysely instance, for reading and arranging rows. */
   pool: pg.Pool;
   db: Db;
-  createKey(options: { project: string; mode: KeyMode }): Promise<CreatedKey>;
+  createKey(options: { project: string; mode: KeyMode; deadlineMs?: number }): Promise<CreatedKey>;
   /** A webhook endpoint of the project (private addresses allowed), its secret recorded for the log search. */
   addEndpoint(options: { project: string; url: string }): Promise<CreatedEndpoint>;
   /** A gateway process with the suite's settings plus `env`; not started yet. */

@@ -33,6 +33,7 @@ export const SCENARIOS = [
   '6-isolation-and-logs',
   '7-webhook-receiver-down',
   '8-noisy-neighbour',
+  '9-kills-amid-races',
 ] as const;
 
 const PREFIX = 'gateway-faults-';
