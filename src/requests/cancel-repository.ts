@@ -14,7 +14,8 @@ export type CancelOutcome =
 /**
  * Cancels the caller's request (its project and mode) if it has not ended: a queued or retrying
  * one is never started again, a processing one has its running attempt recorded as cancelled
- * (the worker holding its call hears of the request's end and aborts it). The row is locked
+ * (the worker holding its call hears of the request's end and aborts it; if the call was its lane's
+ * probe, the queue is dispatched for the next). The row is locked
  * first, so that an outcome being recorded at the same moment either lands before (and the
  * request ends completed or failed) or finds it cancelled, never both. Returns the status it
  * had, with the record of a request cancelled now or before; undefined when there is no such
@@ -62,11 +63,15 @@ export async function cancelRequest(
           duration_ms = round(extract(epoch from excluded.finished_at - attempts.started_at) * 1000)::int,
           error_detail = excluded.error_detail
       where attempts.outcome = 'running'
+    ), probe as (
+      -- A request that was its lane's probe: the queue is dispatched, for the next probe.
+      select gateway.dispatch_probe_queues(array(select id from cancelled where previous_status = 'processing')) as jobs
     )
     select target.previous_status, target.id, coalesce(cancelled.status, target.previous_status) as status,
            target.attempts, target.created_at, coalesce(cancelled.updated_at, target.updated_at) as updated_at,
            target.last_error_code
     from target
+    cross join probe
     left join cancelled on cancelled.id = target.id
   `.execute(db);
   const row = rows[0];

@@ -15,7 +15,8 @@ export interface Expired {
 /**
  * Fails up to `limit` unfinished requests whose deadline has passed, oldest deadline first, in
  * one statement: each becomes failed with last_error_code deadline_exceeded, and its running
- * attempt, if it has one, is recorded as failed with that code. Rows locked by another statement
+ * attempt, if it has one, is recorded as failed with that code (and the queue of a lane whose
+ * probe it was is dispatched, for the next probe). Rows locked by another statement
  * (another worker's expiry, an outcome being recorded) are skipped: the next run looks again.
  * The request's end does the rest through the triggers of gateway.requests: NOTIFY
  * gateway_requests_finished wakes its waiters and makes the worker holding its call abort it,
@@ -52,8 +53,11 @@ export async function expireRequests(db: Db, limit: number): Promise<Expired[]> 
       set outcome = 'failed', error_code = excluded.error_code, error_detail = excluded.error_detail, finished_at = excluded.finished_at,
           duration_ms = round(extract(epoch from excluded.finished_at - attempts.started_at) * 1000)::int
       where attempts.outcome = 'running'
+    ), probe as (
+      -- A request that was its lane's probe: the queue is dispatched, for the next probe.
+      select gateway.dispatch_probe_queues(array(select id from expired where previous_status = 'processing')) as jobs
     )
-    select mode, previous_status, count(*) as count from expired group by mode, previous_status
+    select mode, previous_status, count(*) as count from expired cross join probe group by mode, previous_status
   `.execute(db);
   return rows.map((row) => ({ mode: row.mode, from: row.previous_status, count: Number(row.count) }));
 }

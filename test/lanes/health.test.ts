@@ -6,8 +6,9 @@
 import { setTimeout as sleep } from 'node:timers/promises';
 import t, { type Test } from 'tap';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
-import { clientFor, userMessage } from '../helpers/http.ts';
+import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
+import { dispatchJobs } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type FakeUpstream } from '../helpers/upstream.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { until } from '../helpers/wait.ts';
@@ -88,6 +89,55 @@ t.test('a failing provider opens its lane: requests wait uncharged, probes go on
   t.ok((metrics.get('gateway_lane_health_changes_total{upstream="primary",health="open"}') ?? 0) >= 1, 'the metric counts the opening');
   t.ok((metrics.get('gateway_lane_health_changes_total{upstream="primary",health="healthy"}') ?? 0) >= 1, 'and the closing');
 });
+
+for (const ending of ['cancelled', 'failed for its deadline'] as const) {
+  t.test(`a probe whose request is ${ending} during its call has its lane's queue dispatched: the next probe starts, and the waiting requests complete`, async (t) => {
+    // Down: 503 at once. Holding: each call held until the gateway gives it up. Up: completions
+    // (a call held before stays held).
+    const state = { mode: 'down' as 'down' | 'holding' | 'up', held: 0 };
+    const upstream = await startFakeUpstream(t, (call) => {
+      if (state.mode === 'down') return { status: 503 };
+      if (state.mode === 'holding') {
+        state.held++;
+        return { hang: true };
+      }
+      return { status: 200, json: completionFor(call.body) };
+    });
+    const file = await upstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: ['gpt-test'] }]);
+    const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '30000' } });
+    // The requests that open the lane, one of which is its probe; for the deadline's case, of a
+    // key whose requests fail 3 s after their acceptance, their probe among them.
+    const first = await gateway.createKey({ mode: 'live', ...(ending === 'cancelled' ? {} : { deadlineMs: 3_000 }) });
+    const opening = await submit(gateway, first, 'gpt-test', 6, 'opening');
+    await until(async () => (await laneState(gateway, 'primary'))?.health === 'open', 'the lane to open', 10_000);
+    // Requests that wait for the lane, of a key without a short deadline; none is accepted after
+    // the probe ends (an acceptance dispatches the queue itself).
+    const waiting = await submit(gateway, await gateway.createKey({ mode: 'live' }), 'gpt-test', 4, 'waiting');
+    state.mode = 'holding';
+    await until(async () => (await laneState(gateway, 'primary'))?.health === 'probing' && state.held === 1, 'a probe to start', 10_000);
+    const { rows: lanes } = await gateway.pool.query<{ probe_request_id: string }>('select probe_request_id from gateway.lanes where upstream = $1', ['primary']);
+    const probe = lanes[0]!.probe_request_id;
+    t.ok(opening.includes(probe), 'the probe is one of the requests that opened the lane');
+    // The provider is back: only the probe's call, held, keeps the lane from finding out.
+    state.mode = 'up';
+
+    // Nothing else is to dispatch the queue by then: the retries of the requests that opened the
+    // lane were dispatched (their jobs and this process's timers are due together), and found it
+    // probing.
+    await until(async () => (await dispatchJobs(gateway.db)).length === 0, 'the dispatches due to have run', 10_000);
+    await sleep(1_000);
+
+    if (ending === 'cancelled') {
+      t.equal((await send(gateway.url, { method: 'POST', path: `/v1/requests/${probe}/cancel`, key: first })).status, 200, 'its request is cancelled');
+    }
+    await until(async () => (await requestRows(gateway, [probe]))[0].status !== 'processing', 'the probe\'s request to end', 10_000);
+    t.match((await requestRows(gateway, [probe]))[0], ending === 'cancelled' ? { status: 'cancelled' } : { status: 'failed', last_error_code: 'deadline_exceeded' });
+
+    await until(allCompleted(gateway, waiting), 'the waiting requests to complete, after a new probe', 15_000);
+    t.pass('the requests waiting for the lane completed');
+    t.equal((await laneState(gateway, 'primary')).health, 'healthy', 'the next probe closed the lane');
+  });
+}
 
 t.test('a model\'s second deployment takes its requests while the first is open, and the first takes them back once it recovers', async (t) => {
   const primary = await switchableUpstream(t);
