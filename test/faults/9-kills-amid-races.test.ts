@@ -2,10 +2,11 @@
 // and two workers share the database. The upstream answers late, and fails at random (429s,
 // 5xx, resets, hangs past the timeout, a request's own 400s). Clients wait for some answers
 // (wait=true) and not for others, cancel some requests, and send those of one key with a 2 s
-// deadline; when the API they sent to dies, they send again to the other with the same
-// idempotency_key. A webhook receiver fails a quarter of the deliveries. Meanwhile, one process
-// after another is killed (SIGKILL, or SIGTERM and its grace) and started again, and Postgres ends
-// one of the gateway's connections every half second or so.
+// deadline; when the API they sent to dies, or (for a tenth of them) when they tire of waiting
+// for its first answer, they send again to the other with the same idempotency_key, the first
+// try perhaps still under way. A webhook receiver fails a quarter of the deliveries. Meanwhile,
+// one process after another is killed (SIGKILL, or SIGTERM and its grace) and started again, and
+// Postgres ends one of the gateway's connections every half second or so.
 //
 // Nothing may be lost or done twice: every submission is answered in the end, each idempotency
 // key names one request, every request ends once, in one state its rows, its client's answers
@@ -140,12 +141,17 @@ t.test('processes killed again and again amid failing calls, cancels, deadlines 
     cancelStatus: number | undefined;
   }
 
-  /** Sends until an API answers it: to the other API after a connection that died, or a 503 (shutting down, its database connection lost). */
-  async function send(path: string, key: CreatedKey, body: unknown, first: number): Promise<Call[]> {
+  /**
+   * Sends until an API answers it: to the other API after a connection that died, a 503 (shutting
+   * down, its database connection lost), or a first try given up after `firstTimeoutMs` (a client
+   * that does not wait long, while its first try may still be stored and run).
+   */
+  async function send(path: string, key: CreatedKey, body: unknown, first: number, firstTimeoutMs = 20_000): Promise<Call[]> {
     const tries: Call[] = [];
     const giveUpAt = Date.now() + 60_000;
     for (let n = first; ; n++) {
-      const answer = await call(apis[n % 2]!.url!, { method: 'POST', path, key, body, timeoutMs: 20_000 });
+      const timeoutMs = n === first ? firstTimeoutMs : 20_000;
+      const answer = await call(apis[n % 2]!.url!, { method: 'POST', path, key, body, timeoutMs });
       tries.push(answer);
       if ((answer.status !== 0 && answer.status !== 503) || Date.now() > giveUpAt) return tries;
       await sleep(100);
@@ -178,11 +184,12 @@ t.test('processes killed again and again amid failing calls, cancels, deadlines 
       at: (i * SEND_MS) / REQUESTS,
       first: Math.floor(planned() * 2),
       cancel: planned() < 0.15 ? between(planned, 0, 2_500) : undefined,
+      impatient: planned() < 0.1 ? between(planned, 20, 400) : undefined,
     };
   });
   const started = Date.now();
   const sent = await Promise.all(
-    plan.map(async ({ i, kind, wait, at, first, cancel }): Promise<Sent> => {
+    plan.map(async ({ i, kind, wait, at, first, cancel, impatient }): Promise<Sent> => {
       await sleep(at);
       const key = keys[kind];
       const idempotencyKey = `scenario-9-${SEED}-${i}`;
@@ -196,7 +203,7 @@ t.test('processes killed again and again amid failing calls, cancels, deadlines 
         cancel === undefined
           ? Promise.resolve(undefined)
           : sleep(cancel).then(async () => (await send(`/v1/requests/${await idOf(idempotencyKey)}/cancel`, key, undefined, first + 1)).at(-1)!.status);
-      const tries = await send('/v1/chat/completions', key, body, first);
+      const tries = await send('/v1/chat/completions', key, body, first, impatient);
       return { i, kind, wait, idempotencyKey, tries, cancel, cancelStatus: await cancelled };
     }),
   );

@@ -106,7 +106,7 @@ export function lifecycleProblems(request: RequestWithAttempts, maxAttempts: num
   return problems;
 }
 
-/** The job queue and the worker pools' heartbeats, to explain requests that did not end. */
+/** The job queue, the worker pools' heartbeats and the lanes not healthy, to explain requests that did not end. */
 export async function queueSummary(pool: pg.Pool): Promise<string> {
   const { rows: jobs } = await pool.query<{ task: string; locked_by: string | null; count: number; attempts: number; last_error: string | null }>(
     `select task_identifier as task, locked_by, count(*)::int as count, max(attempts)::int as attempts, max(last_error) as last_error
@@ -115,7 +115,13 @@ export async function queueSummary(pool: pg.Pool): Promise<string> {
   const { rows: pools } = await pool.query<{ id: string; seen_ms_ago: number }>(
     `select id, (extract(epoch from now() - last_seen_at) * 1000)::int as seen_ms_ago from gateway.worker_pools order by 1`,
   ).catch(() => ({ rows: [] }));
+  const { rows: lanes } = await pool.query<{ id: string; model: string; health: string; probe: string | null }>(
+    `select lanes.id, lanes.model, lanes.health, lanes.probe_request_id || ' ' || coalesce(requests.status, 'gone') as probe
+     from gateway.lanes left join gateway.requests on requests.id = lanes.probe_request_id
+     where lanes.health <> 'healthy' order by lanes.id`,
+  );
   const jobText = jobs.map((job) => `${job.count} ${job.task} ${job.locked_by ? `locked by ${job.locked_by}` : 'unlocked'} (attempts up to ${job.attempts}${job.last_error ? `, last error ${JSON.stringify(job.last_error.slice(0, 120))}` : ''})`).join('; ');
   const poolText = pools.map((row) => `${row.id} seen ${row.seen_ms_ago} ms ago`).join('; ');
-  return `jobs: ${jobText || 'none'}; worker pools: ${poolText || 'none'}`;
+  const laneText = lanes.map((lane) => `lane ${lane.id} (${lane.model}) ${lane.health}${lane.probe ? `, probe ${lane.probe}` : ''}`).join('; ');
+  return `jobs: ${jobText || 'none'}; worker pools: ${poolText || 'none'}; lanes not healthy: ${laneText || 'none'}`;
 }
