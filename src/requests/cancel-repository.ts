@@ -14,12 +14,11 @@ export type CancelOutcome =
 /**
  * Cancels the caller's request (its project and mode) if it has not ended: a queued or retrying
  * one is never started again, a processing one has its running attempt recorded as cancelled
- * (the worker holding its call hears of the request's end and aborts it; if the call was its lane's
- * probe, the queue is dispatched for the next). The row is locked
- * first, so that an outcome being recorded at the same moment either lands before (and the
- * request ends completed or failed) or finds it cancelled, never both. Returns the status it
- * had, with the record of a request cancelled now or before; undefined when there is no such
- * request of the caller's.
+ * (the worker holding its call hears of the request's end and aborts it; if the call was its
+ * lane's probe, the queue is dispatched for the next). The row is locked first, so that an
+ * outcome being recorded at the same moment either lands before (and the request ends completed
+ * or failed) or finds it cancelled, never both. Returns the status it had, with the record of a
+ * request cancelled now or before; undefined when there is no such request of the caller's.
  *
  * The running attempt is written as an insert that finds its row (ON CONFLICT), not as an
  * update. A statement's updates see only the rows committed before it began, and a claim that

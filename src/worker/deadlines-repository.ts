@@ -16,9 +16,9 @@ export interface Expired {
  * Fails up to `limit` unfinished requests whose deadline has passed, oldest deadline first, in
  * one statement: each becomes failed with last_error_code deadline_exceeded, and its running
  * attempt, if it has one, is recorded as failed with that code (and the queue of a lane whose
- * probe it was is dispatched, for the next probe). Rows locked by another statement
- * (another worker's expiry, an outcome being recorded) are skipped: the next run looks again.
- * The request's end does the rest through the triggers of gateway.requests: NOTIFY
+ * probe it was is dispatched, for the next probe). Rows locked by another statement (another
+ * worker's expiry, an outcome being recorded) are skipped: the next run looks again. The
+ * request's end does the rest through the triggers of gateway.requests: NOTIFY
  * gateway_requests_finished wakes its waiters and makes the worker holding its call abort it,
  * and its request.failed webhook messages are written in this transaction.
  */
