@@ -3,8 +3,8 @@
 // to get or keep a connection by where they happened, never by their message.
 import { sql } from 'kysely';
 import pg from 'pg';
-import t from 'tap';
-import { createDb, createPool, isDatabaseUnavailable, isUnavailableState } from '../../src/db/pool.ts';
+import t, { type Test } from 'tap';
+import { createDb, createPool, isDatabaseUnavailable, isUnavailableState, type PoolOptions } from '../../src/db/pool.ts';
 import { createLogger } from '../../src/logger.ts';
 import { adminQuery, createTestDatabase, testDatabasePool, urlForDatabase } from '../helpers/database.ts';
 import { freePort } from '../helpers/ports.ts';
@@ -131,11 +131,7 @@ t.test('against a real server: what each failure is', async (t) => {
 });
 
 t.test("pg's own failures to get or keep a connection are unavailable, though they carry nothing but a message", async (t) => {
-  const url = await createTestDatabase(t);
-  const proxy = await startTcpProxy(t, url);
-  const pool = createPool(proxy.url, { max: 1, applicationName: 'unavailable-test', logger });
-  t.teardown(() => pool.end());
-  const db = createDb(pool);
+  const { url, proxy, pool, db } = await proxiedPool(t, { max: 1, applicationName: 'unavailable-test', logger });
   const failure = (run: () => Promise<unknown>) => run().then(() => undefined, (error: unknown) => error);
 
   // The connection is dropped under a statement, without a word from the server.
@@ -170,12 +166,8 @@ t.test("pg's own failures to get or keep a connection are unavailable, though th
 });
 
 t.test('a connection Postgres ends as it answers its session settings is not handed out: the statement runs on another', async (t) => {
-  const url = await createTestDatabase(t);
-  const proxy = await startTcpProxy(t, url);
   const logs: Record<string, unknown>[] = [];
-  const pool = createPool(proxy.url, { max: 2, applicationName: 'unavailable-hand-out', logger: createLogger({ logLevel: 'warn' }, lineSink(logs)) });
-  t.teardown(() => pool.end());
-  const db = createDb(pool);
+  const { proxy, db } = await proxiedPool(t, { max: 2, applicationName: 'unavailable-hand-out', logger: createLogger({ logLevel: 'warn' }, lineSink(logs)) });
 
   // The answer to the settings of the pool's first connection (its SETs), and in the same read
   // the FATAL that pg_terminate_backend has Postgres send, then the end of the connection.
@@ -196,11 +188,7 @@ t.test('a connection Postgres ends as it answers its session settings is not han
 });
 
 t.test('a pool whose every new connection is ended as it is handed out fails its statement as unavailable', async (t) => {
-  const url = await createTestDatabase(t);
-  const proxy = await startTcpProxy(t, url);
-  const pool = createPool(proxy.url, { max: 2, applicationName: 'unavailable-hand-outs', logger });
-  t.teardown(() => pool.end());
-  const db = createDb(pool);
+  const { proxy, db } = await proxiedPool(t, { max: 2, applicationName: 'unavailable-hand-outs', logger });
   const endNext = () =>
     proxy.afterNextReply(
       'unavailable-hand-outs',
@@ -215,6 +203,15 @@ t.test('a pool whose every new connection is ended as it is handed out fails its
   t.type(failed, Error);
   t.ok(isDatabaseUnavailable(failed), `unavailable: ${(failed as Error).message}`);
 });
+
+/** A pool made as the gateway's are, on a test database of its own, reached through a TCP proxy. */
+async function proxiedPool(t: Test, options: PoolOptions) {
+  const url = await createTestDatabase(t);
+  const proxy = await startTcpProxy(t, url);
+  const pool = createPool(proxy.url, options);
+  t.teardown(() => pool.end());
+  return { url, proxy, pool, db: createDb(pool) };
+}
 
 /** A backend's ErrorResponse: severity FATAL, its SQLSTATE and message. */
 function fatal(code: string, message: string): Buffer {
