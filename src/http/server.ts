@@ -4,6 +4,7 @@
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { Duplex } from 'node:stream';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { ApiError, invalidRequest } from '../errors.ts';
 
 /** How long the server keeps an idle keep-alive connection open. */
@@ -71,11 +72,19 @@ function answerClientError(error: Error & { code?: string }, socket: Duplex): vo
   );
 }
 
+/** How long a close waits at most for answers written but not yet sent in full (closeServer). */
+const SENDING_GRACE_MS = 5_000;
+
 /**
  * Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are
  * answered: their answers, and those of requests that still come on open connections, say
  * `Connection: close`, and each connection closes once its answer is sent (rather than being
  * kept for another request for KEEP_ALIVE_TIMEOUT_MS).
+ *
+ * Node's close ends at once every connection whose request it has read and whose answer is
+ * written, even if that answer is still being sent (a large one, or to a client slow to read):
+ * the client would get it cut short. Such answers are let finish first, for SENDING_GRACE_MS at
+ * most, before the close.
  */
 export function closeServer(server: http.Server): Promise<void> {
   const state = servers.get(server);
@@ -83,9 +92,26 @@ export function closeServer(server: http.Server): Promise<void> {
     state.closing = true;
     for (const response of state.unanswered) response.shouldKeepAlive = false;
   }
+  return (async () => {
+    const giveUpAt = Date.now() + SENDING_GRACE_MS;
+    for (;;) {
+      const sending = [...(state?.unanswered ?? [])].filter((response) => response.writableEnded && !response.writableFinished);
+      const left = giveUpAt - Date.now();
+      if (sending.length === 0 || left <= 0) break;
+      await Promise.race([Promise.all(sending.map(sent)), sleep(left, undefined, { ref: false })]);
+    }
+    await new Promise<void>((resolve) => {
+      server.close(() => resolve());
+      server.closeIdleConnections();
+    });
+  })();
+}
+
+/** Resolves once the answer is sent in full, or its connection is gone. */
+function sent(response: http.ServerResponse): Promise<void> {
   return new Promise((resolve) => {
-    server.close(() => resolve());
-    server.closeIdleConnections();
+    response.once('finish', () => resolve());
+    response.once('close', () => resolve());
   });
 }
 

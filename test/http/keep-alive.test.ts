@@ -8,7 +8,7 @@ import { randomBytes } from 'node:crypto';
 import http from 'node:http';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
-import { KEEP_ALIVE_TIMEOUT_MS } from '../../src/http/server.ts';
+import { closeServer, KEEP_ALIVE_TIMEOUT_MS, listen } from '../../src/http/server.ts';
 import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
@@ -70,4 +70,31 @@ t.test('a stopping API answers the requests it holds with Connection: close, so 
   const answer = await pending;
   t.equal(answer.status, 202, 'answered with its acknowledgement');
   t.equal(answer.headers.get('connection'), 'close', 'with Connection: close');
+});
+
+t.test('an answer written but still being sent as the server closes is sent in full before its connection ends', async (t) => {
+  // An answer larger than the sockets' buffers, to a client that does not read it yet.
+  const body = Buffer.alloc(16 * 1024 * 1024, 'x');
+  const server = await listen((_request, response) => {
+    response.writeHead(200, { 'content-type': 'text/plain' });
+    response.end(body);
+  }, 0, '127.0.0.1');
+  const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+  t.teardown(() => agent.destroy());
+  const { port } = server.address() as { port: number };
+  const response = await new Promise<http.IncomingMessage>((resolve) => http.get(`http://127.0.0.1:${port}/`, { agent }, resolve));
+  response.pause();
+
+  const closed = closeServer(server).then(() => Date.now());
+  await sleep(200);
+  let received = 0;
+  response.on('data', (chunk: Buffer) => (received += chunk.length));
+  const done = new Promise<string>((resolve) => {
+    response.once('end', () => resolve('end'));
+    response.once('aborted', () => resolve('aborted'));
+  });
+  response.resume();
+  t.equal(await done, 'end', 'the answer ended');
+  t.equal(received, body.length, `the client received all of it (${received} of ${body.length} bytes)`);
+  t.ok(await Promise.race([closed, sleep(5_000).then(() => undefined)]), 'and the server closed');
 });
