@@ -3,7 +3,8 @@
 // wakes, runs its timers before it reads its sockets, and a keep-alive timeout that expired in
 // the pause would close that connection with the request unread: the client would get a reset.
 // The process is held here with SIGSTOP, as the kernel holds a starved one. And a server that
-// keeps idle connections that long must close them itself as it shuts down.
+// keeps idle connections that long must close them itself as it shuts down, after the answers
+// still being sent on them.
 import { randomBytes } from 'node:crypto';
 import http from 'node:http';
 import { setTimeout as sleep } from 'node:timers/promises';
