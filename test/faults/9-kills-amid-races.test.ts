@@ -32,9 +32,9 @@ const REQUESTS = 360;
 const SEND_MS = 12_000;
 const DEADLINE_MS = 2_000;
 const MAX_ATTEMPTS = 5;
-// Run on demand (KILLS_AMID_RACES=1), not in every `make test`: about one run in ten still ends
-// with requests of the live model left waiting, their lane open, its probe overdue and no dispatch
-// of their queue pending, a lost wake-up whose cause is not found yet.
+// Run on demand (KILLS_AMID_RACES=1), not in every `make test`: a run now and then (one of some
+// twenty so far) ends with requests of the live model left waiting, their lane open, its probe
+// overdue and no dispatch of their queue pending, a lost wake-up whose cause is not found yet.
 const RUN = process.env.KILLS_AMID_RACES === '1';
 const SEED = Number(process.env.KILLS_SEED ?? Math.floor(Math.random() * 2 ** 31));
 // How long a process given SIGTERM may take to exit before it is killed (and the test fails). An
