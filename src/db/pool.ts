@@ -140,10 +140,7 @@ function preparing(pool: pg.Pool): PostgresPool {
     end: () => pool.end(),
     async connect(): Promise<PostgresPoolClient> {
       const client = await usableClient(pool);
-      const run = (query: pg.QueryConfig) =>
-        client.query(query).catch((error: unknown) => {
-          throw lostClients.has(client) ? noConnection(error) : error;
-        });
+      const run = (query: pg.QueryConfig) => queryOn<pg.QueryResultRow>(client, query);
       return {
         query: (async (text: string, values: readonly unknown[]) => {
           const name = statementName(text);
@@ -191,12 +188,17 @@ async function usableClient(pool: pg.Pool): Promise<pg.PoolClient> {
 export async function poolQuery<R extends pg.QueryResultRow>(pool: pg.Pool, text: string): Promise<pg.QueryResult<R>> {
   const client = await usableClient(pool);
   try {
-    return await client.query<R>(text);
-  } catch (error) {
-    throw lostClients.has(client) ? noConnection(error) : error;
+    return await queryOn<R>(client, { text });
   } finally {
     client.release();
   }
+}
+
+/** A statement on the client; its failure, if the client has reported its connection lost, is the database's unavailability. */
+function queryOn<R extends pg.QueryResultRow>(client: pg.PoolClient, query: pg.QueryConfig): Promise<pg.QueryResult<R>> {
+  return client.query<R>(query).catch((error: unknown) => {
+    throw lostClients.has(client) ? noConnection(error) : error;
+  });
 }
 
 // What isDatabaseUnavailable knows of pg's own failures, which carry no SQLSTATE and are bare
