@@ -93,6 +93,13 @@ export class Metrics {
     registers: [this.registry],
   });
 
+  readonly rescued = new client.Counter({
+    name: `${PREFIX}queues_rescued_total`,
+    help: 'Queues found with requests due and nothing to dispatch them (no job, no recent claim, no call whose end would), and dispatched, by mode.',
+    labelNames: ['mode'] as const,
+    registers: [this.registry],
+  });
+
   readonly intakeRefused = new client.Counter({
     name: `${PREFIX}intake_refused_total`,
     help: 'Requests refused with 429 by the intake limits, by mode and limit (rate, bytes_rate, lookup_rate, unfinished).',

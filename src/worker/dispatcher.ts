@@ -13,7 +13,8 @@
 // - in a process that also serves the API, the requests it has just accepted (no queue hop);
 // - a call on a lane with max_concurrent ending here: the room it leaves is taken by the process
 //   that had it (a process waiting for that room elsewhere would never hear of it);
-// - room made in this process's capacity, for the queues that were waiting for it.
+// - room made in this process's capacity, for the queues that were waiting for it;
+// - the rescue (rescue.ts), for a queue with requests due that none of these is going to wake.
 // Dispatches of one queue in one process run one at a time: calls that arrive meanwhile share
 // the next.
 //

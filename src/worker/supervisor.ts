@@ -12,17 +12,21 @@
 //   its heartbeat is stale too);
 // - expires, about once a second, the requests whose deadline has passed (deadlines.ts);
 // - prunes, every tenth of PRUNE_IDLE_QUEUES_AFTER (a minute at most), the queues and lanes that
-//   nothing refers to and nobody has used for that long (prune.ts).
+//   nothing refers to and nobody has used for that long (prune.ts);
+// - dispatches, every half of WORKER_DEAD_AFTER_MS, the queues with requests due that nothing is
+//   going to dispatch (rescue.ts).
 // A stopping worker keeps beating for its dispatcher until its calls and webhook tries in flight
 // have landed (SHUTDOWN_GRACE_MS at most), so that no other worker takes them for lost meanwhile.
 import { EventEmitter } from 'node:events';
 import { run, type Runner, type WorkerEvents } from 'graphile-worker';
 import { Backoff } from '../client/backoff.ts';
+import type { Logger } from '../logger.ts';
 import { errorSummary, isDatabaseUnavailable } from '../db/pool.ts';
 import { findLostAttempts } from './attempts-repository.ts';
 import type { Attempts } from './attempts.ts';
 import { expireOverdue } from './deadlines.ts';
 import { pruneQueues } from './prune.ts';
+import { rescueStranded } from './rescue.ts';
 import type { WorkerDeps } from './runner.ts';
 import { runnerOptions } from './runner.ts';
 import { beat, release, sweep } from './supervisor-repository.ts';
@@ -147,40 +151,21 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
         if (!stopping) sweepTimer = setTimeout(sweepNow, nextMs);
       });
   };
-  // One expiry at a time in this process: a run that outlasts the interval (a backlog, a slow
-  // database) is not joined by another. Stopping aborts it between batches, and awaits it.
-  let expiring: Promise<void> | undefined;
-  const stopExpiring = new AbortController();
-  const expirer = setInterval(() => {
-    if (expiring) return;
-    expiring = expireOverdue(deps, stopExpiring.signal)
-      .then(
-        () => {},
-        // (the database being out of reach is logged by those who wait for it)
-        (error: unknown) =>
-          log[isDatabaseUnavailable(error) ? 'debug' : 'warn']({ err: errorSummary(error) }, 'deadline expiry failed'),
-      )
-      .finally(() => {
-        expiring = undefined;
-      });
-  }, EXPIRY_INTERVAL_MS);
-  // Pruning alike: one run at a time, aborted between batches by stop(), and awaited.
+  // Requests past their deadline, queues left idle, queues stranded: each looked for now and then,
+  // one run at a time in this process (a run that outlasts its interval, on a backlog or a slow
+  // database, is not joined by another), aborted between batches by stop(), and awaited.
   const idleMs = deps.config.pruneIdleQueuesAfterMs;
-  let pruning: Promise<void> | undefined;
-  const stopPruning = new AbortController();
-  const pruner = setInterval(() => {
-    if (pruning) return;
-    pruning = pruneQueues(deps, idleMs, stopPruning.signal)
-      .then(
-        // Their routes are forgotten here; other processes forget theirs as they remember newer ones.
-        (pruned) => dispatcher.forgetQueues(pruned),
-        (error: unknown) =>
-          log[isDatabaseUnavailable(error) ? 'debug' : 'warn']({ err: errorSummary(error) }, 'pruning idle queues failed'),
-      )
-      .finally(() => {
-        pruning = undefined;
-      });
-  }, Math.min(PRUNE_INTERVAL_MAX_MS, Math.floor(idleMs / 10)));
+  const chores = [
+    periodic(log, 'deadline expiry', EXPIRY_INTERVAL_MS, (signal) => expireOverdue(deps, signal)),
+    periodic(log, 'pruning idle queues', Math.min(PRUNE_INTERVAL_MAX_MS, Math.floor(idleMs / 10)), async (signal) => {
+      // Their routes are forgotten here; other processes forget theirs as they remember newer ones.
+      dispatcher.forgetQueues(await pruneQueues(deps, idleMs, signal));
+    }),
+    // A queue is taken for stranded as a worker is taken for dead: nothing heard of it for
+    // WORKER_DEAD_AFTER_MS. Looked for twice per period: rescued within one and a half of it.
+    periodic(log, 'rescuing stranded queues', Math.floor(deadAfterMs / 2), (signal) => rescueStranded(deps, deadAfterMs, signal)),
+  ];
+  const stopChores = () => Promise.all(chores.map((chore) => chore.stop()));
 
   try {
     await beat(deps.db, [dispatcher.workerId]);
@@ -188,12 +173,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
     sweepNow();
   } catch (error) {
     clearInterval(heartbeat);
-    clearInterval(expirer);
-    clearInterval(pruner);
-    stopExpiring.abort();
-    stopPruning.abort();
-    await expiring;
-    await pruning;
+    await stopChores();
     throw error;
   }
 
@@ -202,10 +182,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       stopping = true;
       clearTimeout(restartTimer);
       clearTimeout(sweepTimer);
-      clearInterval(expirer);
-      clearInterval(pruner);
-      stopExpiring.abort();
-      stopPruning.abort();
+      const choresDone = stopChores();
       // Calls in flight get SHUTDOWN_GRACE_MS to finish, then are aborted and handed back
       // (recorded as worker_lost and retried at once elsewhere); the pool's dispatches meanwhile
       // hand their lanes to other workers.
@@ -223,8 +200,7 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       current = undefined;
       await flightsLanded;
       await triesLanded;
-      await expiring;
-      await pruning;
+      await choresDone;
       await sweeping;
       clearInterval(heartbeat);
       await Promise.all(beating);
@@ -240,6 +216,34 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
         log.warn({ poolId, err: errorSummary(error) }, 'could not release the pool\'s jobs; the sweep will');
       });
       log.info({ poolId }, 'worker pool stopped');
+    },
+  };
+}
+
+/**
+ * Runs `chore` every `intervalMs`, one run at a time; its failures are logged (at debug level
+ * while the database is out of reach: those who wait for it log that). stop() ends the timer,
+ * aborts the run under way between its batches, and resolves once it has ended.
+ */
+function periodic(log: Logger, what: string, intervalMs: number, chore: (signal: AbortSignal) => Promise<unknown>) {
+  let running: Promise<void> | undefined;
+  const stopping = new AbortController();
+  const timer = setInterval(() => {
+    if (running) return;
+    running = chore(stopping.signal)
+      .then(
+        () => {},
+        (error: unknown) => log[isDatabaseUnavailable(error) ? 'debug' : 'warn']({ err: errorSummary(error) }, `${what} failed`),
+      )
+      .finally(() => {
+        running = undefined;
+      });
+  }, intervalMs);
+  return {
+    async stop(): Promise<void> {
+      clearInterval(timer);
+      stopping.abort();
+      await running;
     },
   };
 }
