@@ -15,6 +15,7 @@
 //   that had it (a process waiting for that room elsewhere would never hear of it);
 // - room made in this process's capacity, for the queues that were waiting for it;
 // - the rescue (rescue.ts), for a queue with requests due that none of these is going to wake.
+// A process that stops hands the last two to the other workers, a job due now for each queue.
 // Dispatches of one queue in one process run one at a time: calls that arrive meanwhile share
 // the next.
 //
@@ -163,6 +164,11 @@ export class Dispatcher {
    * each time it ran out, and a retry would wait that much longer than its backoff.
    */
   readonly #wakes = new Map<string, NodeJS.Timeout>();
+  /**
+   * Dispatches asked of the other workers while this one stops (#handOver), awaited by stop():
+   * the wake-ups this process would have given itself.
+   */
+  readonly #handingOver = new Set<Promise<void>>();
 
   constructor(options: DispatcherOptions) {
     this.#options = options;
@@ -283,9 +289,26 @@ export class Dispatcher {
     clearInterval(this.#polling);
     for (const timer of this.#wakes.values()) clearTimeout(timer);
     this.#wakes.clear();
+    // The queues waiting for room here would have been dispatched here as calls ended: other
+    // workers may have room now.
+    for (const waiting of [...this.#waitingForCapacity.live, ...this.#waitingForCapacity.test]) this.#handOver(waiting.id);
     await Promise.all([...this.#queues.values()].map((queue) => queue.loop));
     await landWithin(this.#options.graceMs, () => this.#calls.values(), () => this.#options.attempts.abandonRecordings());
     await Promise.all(this.#checks);
+    await Promise.all(this.#handingOver);
+  }
+
+  /**
+   * A dispatch of the queue for another worker to run: a job due now. Tried once, not through an
+   * outage (the stop would wait for it): if it fails, the rescue (rescue.ts) finds the queue.
+   */
+  #handOver(queueId: string): void {
+    const handed: Promise<void> = addDispatch(this.#options.db, queueId)
+      .catch((error: unknown) =>
+        this.#log.warn({ queueId, err: errorSummary(error) }, 'could not hand a queue over to the other workers; the rescue will dispatch it'),
+      )
+      .finally(() => this.#handingOver.delete(handed));
+    this.#handingOver.add(handed);
   }
 
   #queue(id: string): QueueSlot {
@@ -428,7 +451,11 @@ export class Dispatcher {
       stopTimeout();
       this.#calls.delete(started.id);
       this.#inFlight[target.mode]--;
-      if (this.#stopping) return;
+      if (this.#stopping) {
+        // The room it leaves on its lane is for another worker to take.
+        if (limits.maxConcurrent !== undefined) this.#handOver(queueId);
+        return;
+      }
       if (limits.maxConcurrent !== undefined) this.poke(queueId);
       for (const waiting of this.#waitingForCapacity[target.mode]) this.poke(waiting.id);
     });

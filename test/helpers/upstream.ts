@@ -180,6 +180,17 @@ function limiter({ requestsPerMinute, maxConcurrent }: Limits) {
   };
 }
 
+/** An upstream whose calls are all answered (200) once the test says so. */
+export async function heldUpstream(t: Teardown) {
+  let release!: () => void;
+  const released = new Promise<void>((resolve) => (release = resolve));
+  const upstream = await startFakeUpstream(t, async (call) => {
+    await released;
+    return { status: 200, json: completionFor(call.body) };
+  });
+  return { ...upstream, release };
+}
+
 /** The script of a healthy provider: each call answered with a completion after `delayMs`. */
 export function completionAfter(delayMs: number): Script {
   return (call) => ({ status: 200, json: completionFor(call.body), delayMs });

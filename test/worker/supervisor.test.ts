@@ -18,20 +18,9 @@ import { startTestGateway, TEST_SETTINGS } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { serveSettings, spawnServe } from '../helpers/serve.ts';
-import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { heldUpstream } from '../helpers/upstream.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
 import { until, waitFor } from '../helpers/wait.ts';
-
-/** An upstream whose calls are all answered (200) once the test says so. */
-async function heldUpstream(t: Parameters<typeof startFakeUpstream>[0]) {
-  let release!: () => void;
-  const released = new Promise<void>((resolve) => (release = resolve));
-  const upstream = await startFakeUpstream(t, async (call) => {
-    await released;
-    return { status: 200, json: completionFor(call.body) };
-  });
-  return { ...upstream, release };
-}
 
 /** A worker's parts, built as main.ts builds them, so that the test holds its WorkerService. */
 async function startWorkerIn(t: Test, gateway: Awaited<ReturnType<typeof startTestGateway>>) {
