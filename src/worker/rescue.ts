@@ -1,10 +1,13 @@
 // The rescue of stranded queues. A queue's requests are dispatched by jobs and by the processes
-// that make room for them (worker/dispatcher.ts says which); some of those live only in a
+// that make room for them (worker/dispatcher.ts says which). Some of those live only in a
 // process's memory (a call that ends on a lane with max_concurrent, room made in a process's
-// capacity), and a process can die or stop between one dispatch and the next. So each worker
-// process looks now and then for queues with requests due that nothing is going to dispatch, and
-// dispatches them: a request is never left waiting for a wake-up that will not come. Several
-// workers at once add one job per queue (its key).
+// capacity), and a process can die between one dispatch and the next. A job can be lost too:
+// graphile-worker records a job's end by deleting its row by id, whoever holds it now, so a pool
+// taken for dead (its jobs released by the sweep, supervisor.ts) that ends a job late deletes the
+// row even if add_jobs has meanwhile reused it, under the same key, for a newer wake-up of the
+// queue. So each worker process looks now and then for queues with requests due that nothing is
+// going to dispatch, and dispatches them: a request is never left waiting for a wake-up that will
+// not come. Several workers at once add one job per queue (its key).
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
