@@ -57,6 +57,7 @@ const LONG = [
 const LEADING = [
   'test/cluster.test.ts',
   'test/faults/5-hostile-input.test.ts',
+  'test/faults/9-kills-amid-races.test.ts',
   'test/http/held-contexts.test.ts',
   'test/keys/cache.test.ts',
   'test/lanes/health.test.ts',

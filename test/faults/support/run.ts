@@ -22,10 +22,7 @@ export interface RecordedSecret {
   scenario: string;
 }
 
-/**
- * The scenario files of every run; the run's directory is deleted once each has found its logs
- * clean. (9-kills-amid-races runs on demand only.)
- */
+/** The scenario files; the run's directory is deleted once each has found its logs clean. */
 export const SCENARIOS = [
   '1-worker-killed',
   '1-all-killed',
@@ -36,6 +33,7 @@ export const SCENARIOS = [
   '6-isolation-and-logs',
   '7-webhook-receiver-down',
   '8-noisy-neighbour',
+  '9-kills-amid-races',
 ] as const;
 
 const PREFIX = 'gateway-faults-';
