@@ -1,6 +1,7 @@
 // Fault 9: processes killed again and again while everything else goes on. Two API processes
 // and two workers share the database. The upstream answers late, and fails at random (429s,
-// 5xx, resets, hangs past the timeout, a request's own 400s). Clients wait for some answers
+// 5xx, resets, hangs past the timeout, a request's own 400s); one of its two models takes four
+// calls at a time, and each worker makes eight at most. Clients wait for some answers
 // (wait=true) and not for others, cancel some requests, and send those of one key with a 2 s
 // deadline; when the API they sent to dies, or (for a tenth of them) when they tire of waiting
 // for its first answer, they send again to the other with the same idempotency_key, the first
@@ -21,6 +22,7 @@ import type { GatewayProcess } from '../helpers/serve.ts';
 import { mulberry32 } from '../helpers/random.ts';
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
 import { startReceiver } from '../webhooks/support.ts';
+import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { call, tally, type Call } from './support/client.ts';
 import { faultContext } from './support/context.ts';
 import { queueSummary, requestsWithAttempts } from './support/rows.ts';
@@ -66,7 +68,14 @@ t.test('processes killed again and again amid failing calls, cancels, deadlines 
 
   const faults = await faultContext(t, '9-kills-amid-races');
   const env = {
-    UPSTREAM_BASE_URL: upstream.baseUrl,
+    // Two live models on the one upstream: one whose lane takes four calls at a time, and one
+    // without limits. A worker makes at most eight live calls at once: queues wait for room on
+    // their lane and in a worker, woken by calls that end in a process that may be killed.
+    UPSTREAMS_FILE: await upstreamsFile(t, [
+      { name: 'capped', base_url: upstream.baseUrl, models: ['gpt-capped'], limits: { max_concurrent: 4 } },
+      { name: 'open', base_url: upstream.baseUrl, models: ['gpt-kills'] },
+    ]),
+    MAX_IN_FLIGHT: '8',
     UPSTREAM_TIMEOUT_MS: '2000',
     MAX_ATTEMPTS: String(MAX_ATTEMPTS),
     WAIT_TIMEOUT_MS: '8000',
@@ -200,7 +209,7 @@ t.test('processes killed again and again amid failing calls, cancels, deadlines 
       const key = keys[kind];
       const idempotencyKey = `scenario-9-${SEED}-${i}`;
       const body = {
-        model: kind === 'test' ? 'test-delay-300' : 'gpt-kills',
+        model: kind === 'test' ? 'test-delay-300' : i % 2 === 0 ? 'gpt-capped' : 'gpt-kills',
         messages: [{ role: 'user', content: privateContent(`scenario 9 request ${i}`) }],
         wait,
         idempotency_key: idempotencyKey,
