@@ -93,10 +93,16 @@ export class Metrics {
     registers: [this.registry],
   });
 
-  readonly rescued = new client.Counter({
+  readonly rescuedQueues = new client.Counter({
     name: `${PREFIX}queues_rescued_total`,
     help: 'Queues found with requests due and nothing to dispatch them (no job, no recent claim, no call whose end would), and dispatched, by mode.',
     labelNames: ['mode'] as const,
+    registers: [this.registry],
+  });
+
+  readonly rescuedEndpoints = new client.Counter({
+    name: `${PREFIX}webhook_endpoints_rescued_total`,
+    help: 'Webhook endpoints found with messages due and nothing to deliver them (no wake job, no delivery job due), and woken.',
     registers: [this.registry],
   });
 

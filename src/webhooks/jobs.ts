@@ -25,7 +25,10 @@ export const WakeWebhookEndpointPayload = v.object({
 });
 export type WakeWebhookEndpointPayload = v.InferOutput<typeof WakeWebhookEndpointPayload>;
 
+/** What the job key of an endpoint's wake job starts with: its endpoint's id follows. */
+export const WAKE_KEY_PREFIX = `${WAKE_WEBHOOK_ENDPOINT}:`;
+
 /** The job key of an endpoint's wake job: one at a time per endpoint. */
 export function wakeJobKey(endpointId: string): string {
-  return `${WAKE_WEBHOOK_ENDPOINT}:${endpointId}`;
+  return `${WAKE_KEY_PREFIX}${endpointId}`;
 }

@@ -1,9 +1,10 @@
-// SQL of the rescue of stranded queues (worker/rescue.ts): queues with requests due that nothing
-// is going to dispatch.
+// SQL of the rescues (worker/rescue.ts): queues with requests due that nothing is going to
+// dispatch, and webhook endpoints with messages due that nothing is going to deliver.
 import { sql } from 'kysely';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
 import { DISPATCH_QUEUE } from '../lanes/jobs.ts';
+import { DELIVER_WEBHOOK, WAKE_KEY_PREFIX, WAKE_WEBHOOK_ENDPOINT } from '../webhooks/jobs.ts';
 
 /** A queue found stranded, and dispatched. */
 export interface RescuedQueue {
@@ -70,4 +71,53 @@ export async function dispatchStranded(db: Db, afterMs: number, limit: number): 
     select stranded.id::text as id, stranded.mode from stranded cross join queued
   `.execute(db);
   return rows;
+}
+
+/**
+ * Adds the wake_webhook_endpoint job, due now, of up to `limit` endpoints that have a message
+ * pending and due for at least `afterMs` and nothing to deliver it:
+ * - the endpoint is neither disabled nor backing off now;
+ * - it has no wake_webhook_endpoint job, due at any time, or running;
+ * - no deliver_webhook job names it that is due or running (one due later, a retry of another
+ *   message, takes none of the waiting ones).
+ * Returns their ids. A job spent (its attempts used up) does not count; its row, holding the
+ * endpoint's wake key, is taken for the new job.
+ */
+export async function wakeStrandedEndpoints(db: Db, afterMs: number, limit: number): Promise<string[]> {
+  const { rows } = await sql<{ id: string }>`
+    with due as (
+      select endpoints.id
+      from gateway.webhook_endpoints as endpoints
+      where endpoints.disabled_at is null
+        and (endpoints.paused_until is null or endpoints.paused_until <= now())
+        and exists (
+              select from gateway.webhook_messages as messages
+              where messages.endpoint_id = endpoints.id and messages.status = 'pending'
+                and messages.next_try_at <= now() - ${afterMs}::float8 * interval '1 millisecond')
+      order by endpoints.id
+      limit ${limit}
+    ), stranded as (
+      select due.id
+      from due
+      where not exists (
+              select from graphile_worker.jobs
+              where jobs.key = ${WAKE_KEY_PREFIX}::text || due.id
+                and (jobs.locked_at is not null or jobs.attempts < jobs.max_attempts))
+        and not exists (
+              select from graphile_worker._private_jobs as jobs
+              join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id
+              where tasks.identifier = ${DELIVER_WEBHOOK} and jobs.payload->>'endpoint_id' = due.id
+                and (jobs.locked_at is not null or (jobs.attempts < jobs.max_attempts and jobs.run_at <= now())))
+    ), queued as (
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${WAKE_WEBHOOK_ENDPOINT}, json_build_object('endpoint_id', stranded.id, 'deferrals', 0), null, null, null,
+                   ${WAKE_KEY_PREFIX}::text || stranded.id, null, null)::graphile_worker.job_spec
+        from stranded order by stranded.id
+      ))
+      where exists (select from stranded)
+    )
+    select stranded.id from stranded cross join queued
+  `.execute(db);
+  return rows.map((row) => row.id);
 }

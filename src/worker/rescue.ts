@@ -1,42 +1,50 @@
-// The rescue of stranded queues. A queue's requests are dispatched by jobs and by the processes
-// that make room for them (worker/dispatcher.ts says which). Some of those live only in a
-// process's memory (a call that ends on a lane with max_concurrent, room made in a process's
-// capacity), and a process can die between one dispatch and the next. A job can be lost too:
-// graphile-worker records a job's end by deleting its row by id, whoever holds it now, so a pool
-// taken for dead (its jobs released by the sweep, supervisor.ts) that ends a job late deletes the
-// row even if add_jobs has meanwhile reused it, under the same key, for a newer wake-up of the
-// queue. So each worker process looks now and then for queues with requests due that nothing is
-// going to dispatch, and dispatches them: a request is never left waiting for a wake-up that will
-// not come. Several workers at once add one job per queue (its key).
+// The rescue of stranded queues and webhook endpoints. A queue's requests are dispatched by jobs
+// and by the processes that make room for them (worker/dispatcher.ts says which). Some of those
+// live only in a process's memory (a call that ends on a lane with max_concurrent, room made in a
+// process's capacity), and a process can die between one dispatch and the next. A job can be
+// lost too: graphile-worker records a job's end by deleting its row by id, whoever holds it now,
+// so a pool taken for dead (its jobs released by the sweep, supervisor.ts) that ends a job late
+// deletes the row even if add_jobs has meanwhile reused it, under the same key, for a newer
+// wake-up of the queue. So each worker process looks now and then for queues with requests due
+// that nothing is going to dispatch, and dispatches them: a request is never left waiting for a
+// wake-up that will not come. Several workers at once add one job per queue (its key).
+//
+// Webhook messages alike: those that wait for room or for their endpoint's backoff have their
+// endpoint's one wake job (webhooks/deliverer.ts), a job that the same late end can delete. An
+// endpoint with messages due and nothing to deliver them gets its wake job again.
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
-import { dispatchStranded } from './rescue-repository.ts';
+import { dispatchStranded, wakeStrandedEndpoints } from './rescue-repository.ts';
 
-/** Queues rescued per statement at most: a full batch is followed at once by another. */
+/** Queues, or endpoints, rescued per statement at most: a full batch is followed at once by another. */
 const RESCUE_BATCH = 100;
 
 /**
- * Dispatches every queue with a request due for `afterMs` and nothing to dispatch it, a batch at
- * a time, until none is left or `signal` is aborted; returns how many.
+ * Dispatches every queue with a request due for `afterMs` and nothing to dispatch it, and wakes
+ * every webhook endpoint with a message due for as long and nothing to deliver it, a batch at a
+ * time, until none is left or `signal` is aborted; returns how many.
  */
 export async function rescueStranded(
   deps: { db: Db; metrics: Metrics; logger: Logger },
   afterMs: number,
   signal?: AbortSignal,
-): Promise<number> {
-  let total = 0;
+): Promise<{ queues: number; endpoints: number }> {
+  const log = deps.logger.child({ component: 'rescue' });
+  const rescued = { queues: 0, endpoints: 0 };
   for (let batch = RESCUE_BATCH; batch === RESCUE_BATCH && !signal?.aborted; ) {
-    const rescued = await dispatchStranded(deps.db, afterMs, RESCUE_BATCH);
-    for (const { mode } of rescued) deps.metrics.rescued.inc({ mode });
-    if (rescued.length > 0) {
-      deps.logger.info(
-        { component: 'rescue', queueIds: rescued.map((queue) => queue.id) },
-        'queues with requests due and nothing to dispatch them: dispatched',
-      );
-    }
-    batch = rescued.length;
-    total += batch;
+    const queues = await dispatchStranded(deps.db, afterMs, RESCUE_BATCH);
+    for (const { mode } of queues) deps.metrics.rescuedQueues.inc({ mode });
+    if (queues.length > 0) log.info({ queueIds: queues.map((queue) => queue.id) }, 'queues with requests due and nothing to dispatch them: dispatched');
+    batch = queues.length;
+    rescued.queues += batch;
   }
-  return total;
+  for (let batch = RESCUE_BATCH; batch === RESCUE_BATCH && !signal?.aborted; ) {
+    const endpoints = await wakeStrandedEndpoints(deps.db, afterMs, RESCUE_BATCH);
+    deps.metrics.rescuedEndpoints.inc(endpoints.length);
+    if (endpoints.length > 0) log.info({ endpointIds: endpoints }, 'webhook endpoints with messages due and nothing to deliver them: woken');
+    batch = endpoints.length;
+    rescued.endpoints += batch;
+  }
+  return rescued;
 }

@@ -14,7 +14,8 @@
 // - prunes, every tenth of PRUNE_IDLE_QUEUES_AFTER (a minute at most), the queues and lanes that
 //   nothing refers to and nobody has used for that long (prune.ts);
 // - dispatches, every half of WORKER_DEAD_AFTER_MS, the queues with requests due that nothing is
-//   going to dispatch (rescue.ts).
+//   going to dispatch, and wakes the webhook endpoints with messages due that nothing is going to
+//   deliver (rescue.ts).
 // A stopping worker keeps beating for its dispatcher until its calls and webhook tries in flight
 // have landed (SHUTDOWN_GRACE_MS at most), so that no other worker takes them for lost meanwhile.
 import { EventEmitter } from 'node:events';
@@ -161,8 +162,8 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       // Their routes are forgotten here; other processes forget theirs as they remember newer ones.
       dispatcher.forgetQueues(await pruneQueues(deps, idleMs, signal));
     }),
-    // A queue is taken for stranded as a worker is taken for dead: nothing heard of it for
-    // WORKER_DEAD_AFTER_MS. Looked for twice per period: rescued within one and a half of it.
+    // A queue (or an endpoint) is taken for stranded as a worker is taken for dead: nothing heard
+    // of it for WORKER_DEAD_AFTER_MS. Looked for twice per period: rescued within one and a half of it.
     periodic(log, 'rescuing stranded queues', Math.floor(deadAfterMs / 2), (signal) => rescueStranded(deps, deadAfterMs, signal)),
   ];
   const stopChores = () => Promise.all(chores.map((chore) => chore.stop()));

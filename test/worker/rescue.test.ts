@@ -1,12 +1,15 @@
-// The rescue of stranded queues (worker/rescue.ts): a queue with requests due and nothing to
-// dispatch it is dispatched, and no other; and a worker does it on its own, so that a request
-// whose wake-up was lost still runs.
+// The rescues (worker/rescue.ts): a queue with requests due and nothing to dispatch it is
+// dispatched, and an endpoint with webhook messages due and nothing to deliver them is woken, and
+// no other; and a worker does both on its own, so that a request whose wake-up was lost still
+// runs, and a message whose wake-up was lost is still delivered.
 import t from 'tap';
-import { dispatchStranded } from '../../src/worker/rescue-repository.ts';
+import { dispatchStranded, wakeStrandedEndpoints } from '../../src/worker/rescue-repository.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
 import { dispatchJobs, isTerminal, queueOf, waitForRow } from '../helpers/rows.ts';
+import { until } from '../helpers/wait.ts';
+import { addTestEndpoint, endRequest, startReceiver, wakeJobs } from '../webhooks/support.ts';
 
 /** Accepts one request of `model` (no worker runs it); returns its id and its queue's. */
 async function accept(gateway: TestGateway, key: Awaited<ReturnType<TestGateway['createKey']>>, model: string) {
@@ -15,12 +18,16 @@ async function accept(gateway: TestGateway, key: Awaited<ReturnType<TestGateway[
   return { id, queueId: await queueOf(gateway.db, id) };
 }
 
-/** Forgets every dispatch job: the wake-ups of the requests are lost. */
-async function loseDispatchJobs(gateway: TestGateway): Promise<void> {
-  await gateway.pool.query(`
-    delete from graphile_worker._private_jobs
-    where task_id = (select id from graphile_worker._private_tasks where identifier = 'dispatch_queue')`);
+/** Forgets every job of these tasks: the wake-ups they were are lost. */
+async function loseJobs(gateway: TestGateway, tasks: string[] = ['dispatch_queue']): Promise<void> {
+  await gateway.pool.query(
+    `delete from graphile_worker._private_jobs
+     where task_id in (select id from graphile_worker._private_tasks where identifier = any($1::text[]))`,
+    [tasks],
+  );
 }
+
+const WEBHOOK_TASKS = ['deliver_webhook', 'wake_webhook_endpoint'];
 
 t.test('a queue with a request due and nothing to dispatch it is dispatched, and no other', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
@@ -31,7 +38,7 @@ t.test('a queue with a request due and nothing to dispatch it is dispatched, and
   const probing = await accept(gateway, key, 'probing');
   const capped = await accept(gateway, key, 'capped');
   const young = await accept(gateway, key, 'young');
-  await loseDispatchJobs(gateway);
+  await loseJobs(gateway);
   // Every request but the young one has been due for 10 s.
   await gateway.pool.query(`update gateway.requests set next_attempt_at = now() - interval '10 seconds' where id <> $1`, [young.id]);
 
@@ -51,7 +58,7 @@ t.test('a queue with a request due and nothing to dispatch it is dispatched, and
   for (const { id, model } of lanes) {
     await gateway.pool.query(`update gateway.requests set status = 'processing', lane_id = $1 where id = $2`, [id, model === 'probing' ? probe.id : call.id]);
   }
-  await loseDispatchJobs(gateway);
+  await loseJobs(gateway);
   await gateway.pool.query(`select graphile_worker.add_job('dispatch_queue', json_build_object('queue_id', $1::bigint), run_at => now() + interval '1 hour')`, [scheduled.queueId]);
 
   t.same(await dispatchStranded(gateway.db, 5_000, 100), [{ id: stranded.queueId, mode: 'live' }], 'only the stranded queue');
@@ -69,7 +76,7 @@ t.test('a worker dispatches a queue whose wake-up was lost', async (t) => {
   const api = await startTestGateway(t, { role: 'api' });
   const key = await api.createKey();
   const { id, queueId } = await accept(api, key, 'test-echo');
-  await loseDispatchJobs(api);
+  await loseJobs(api);
 
   const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env: { WORKER_DEAD_AFTER_MS: '1000', METRICS_PORT: '0' } });
   const row = await waitForRow(api.db, id, isTerminal);
@@ -78,4 +85,53 @@ t.test('a worker dispatches a queue whose wake-up was lost', async (t) => {
   t.equal(metrics.get('gateway_queues_rescued_total{mode="test"}'), 1, 'counted');
   const logged = worker.logs.map((line) => JSON.parse(line)).filter((line) => line.component === 'rescue');
   t.match(logged, [{ level: 'info', msg: 'queues with requests due and nothing to dispatch them: dispatched', queueIds: [queueId] }], 'and logged');
+});
+
+t.test('an endpoint with a message due and nothing to deliver it is woken, and no other', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const url = 'http://127.0.0.1:9/hooks';
+  const [stranded, woken, disabled, backingOff, delivering, later] = await Promise.all(
+    Array.from({ length: 6 }, () => addTestEndpoint(gateway, { url })),
+  );
+  // One message for each endpoint, due for 10 s, with none of its jobs.
+  await endRequest(gateway, key, 'completed');
+  await loseJobs(gateway, WEBHOOK_TASKS);
+  await gateway.pool.query(`update gateway.webhook_messages set next_try_at = now() - interval '10 seconds'`);
+
+  // A wake due in an hour; disabled (a 410); backing off for an hour; a try due now; a try due in an hour.
+  await gateway.pool.query(`select graphile_worker.add_job('wake_webhook_endpoint', json_build_object('endpoint_id', $1::text, 'deferrals', 1), run_at => now() + interval '1 hour', job_key => 'wake_webhook_endpoint:' || $1)`, [woken!.id]);
+  await gateway.pool.query(`update gateway.webhook_endpoints set disabled_at = now() where id = $1`, [disabled!.id]);
+  await gateway.pool.query(`update gateway.webhook_endpoints set backoff_ms = 1000, timed_out_at = now(), paused_until = now() + interval '1 hour' where id = $1`, [backingOff!.id]);
+  for (const [endpoint, runAt] of [[delivering!, 'now()'], [later!, `now() + interval '1 hour'`]] as const) {
+    await gateway.pool.query(
+      `select graphile_worker.add_job('deliver_webhook', json_build_object('message_id', id, 'endpoint_id', endpoint_id), run_at => ${runAt})
+       from gateway.webhook_messages where endpoint_id = $1`,
+      [endpoint.id],
+    );
+  }
+
+  t.same(await wakeStrandedEndpoints(gateway.db, 5_000, 100), [stranded!.id, later!.id].sort(), 'the stranded endpoint, and the one whose only try is due later');
+  const wakes = await wakeJobs(gateway.db);
+  for (const endpoint of [stranded!, later!]) {
+    t.match(wakes.filter((wake) => wake.endpoint_id === endpoint.id), [{ deferrals: 0, key: `wake_webhook_endpoint:${endpoint.id}` }], 'its wake job added');
+  }
+  t.same(await wakeStrandedEndpoints(gateway.db, 5_000, 100), [], 'once woken, it has a job: not rescued again');
+});
+
+t.test('a worker delivers a message whose wake-up was lost', async (t) => {
+  const api = await startTestGateway(t, { role: 'api' });
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(api, { url: receiver.url });
+  receiver.secrets.push(endpoint.secret);
+  const requestId = await endRequest(api, await api.createKey(), 'completed');
+  await loseJobs(api, WEBHOOK_TASKS);
+
+  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env: { WORKER_DEAD_AFTER_MS: '1000', METRICS_PORT: '0', WEBHOOK_ALLOW_PRIVATE: 'true' } });
+  await until(() => receiver.deliveries.length === 1, 'the message to be delivered', 10_000);
+  t.equal(receiver.deliveries[0]!.event?.data.id, requestId, 'its event delivered, and verified');
+  const metrics = parseMetrics((await send(worker.metricsUrl, { path: '/metrics' })).text);
+  t.equal(metrics.get('gateway_webhook_endpoints_rescued_total'), 1, 'counted');
+  const logged = worker.logs.map((line) => JSON.parse(line)).filter((line) => line.component === 'rescue');
+  t.match(logged, [{ level: 'info', msg: 'webhook endpoints with messages due and nothing to deliver them: woken', endpointIds: [endpoint.id] }], 'and logged');
 });
