@@ -309,7 +309,7 @@ t.test('processes killed again and again amid failing calls, cancels, deadlines 
   });
   t.comment(`ended: ${tally(ended)}`);
   const rescued = workers.flatMap((worker) => worker.entries().filter((entry) => entry.component === 'rescue'));
-  t.comment(`rescues of queues left with nothing to dispatch them (worker/rescue.ts): ${rescued.length}`);
+  t.comment(`rescues of queues and webhook endpoints left with nothing to wake them (worker/rescue.ts): ${rescued.length}`);
   t.same(problems.slice(0, 20), [], `each request ended once, its rows and its client's answers agreeing (${problems.length} problems)`);
   t.ok(ended.some((end) => end === 'completed') && ended.some((end) => end === 'cancelled') && ended.some((end) => end === 'failed deadline_exceeded'), 'completions, cancels and deadlines each ended some');
 
