@@ -111,7 +111,7 @@ t.test('an endpoint with a message due and nothing to deliver it is woken, and n
     );
   }
 
-  t.same(await wakeStrandedEndpoints(gateway.db, 5_000, 100), [stranded!.id, later!.id].sort(), 'the stranded endpoint, and the one whose only try is due later');
+  t.same((await wakeStrandedEndpoints(gateway.db, 5_000, 100)).sort(), [stranded!.id, later!.id].sort(), 'the stranded endpoint, and the one whose only try is due later');
   const wakes = await wakeJobs(gateway.db);
   for (const endpoint of [stranded!, later!]) {
     t.match(wakes.filter((wake) => wake.endpoint_id === endpoint.id), [{ deferrals: 0, key: `wake_webhook_endpoint:${endpoint.id}` }], 'its wake job added');
