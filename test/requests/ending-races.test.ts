@@ -32,14 +32,33 @@ const cancelAfter = Array.from({ length: REQUESTS }, (_, i) => (i % 3 === 0 ? be
 
 t.comment(`ENDING_RACES_SEED=${SEED}`);
 
+// A round races only if the machine keeps up: a stall of a second (a busy host) lets every
+// deadline pass before any answer or cancel. Such a round still checks how each request ended,
+// and is run again, on a gateway of its own, until the answer, the cancel and the deadline have
+// each won some (three rounds at most).
+const ROUNDS = 3;
+const ENDS = ['completed', 'cancelled', 'failed deadline_exceeded'];
+
 for (const apart of [true, false]) {
   t.test(`answers, retries, cancels and deadlines racing, ${apart ? 'the API and the worker apart' : 'in one process'}: each request ends once, and its rows, its event and its wait=true answer agree`, async (t) => {
-    await race(t, apart);
+    let missing = ENDS;
+    for (let round = 1; round <= ROUNDS && missing.length > 0; round++) {
+      let ended: Record<string, number> = {};
+      await t.test(`round ${round}`, async (t) => {
+        ended = await race(t, apart);
+      });
+      missing = ENDS.filter((end) => !Object.entries(ended).some(([seen, count]) => seen.startsWith(end) && count > 0));
+      if (missing.length > 0) t.comment(`round ${round} saw no request end ${missing.join(', ')}`);
+    }
+    t.same(missing, [], 'the answer, the cancel and the deadline each won some');
   });
 }
 
-/** The races, on a gateway of their own: its API and its worker in two processes (apart), or in one. */
-async function race(t: Test, apart: boolean) {
+/**
+ * The races, on a gateway of their own: its API and its worker in two processes (apart), or in
+ * one. Returns how many requests ended each way.
+ */
+async function race(t: Test, apart: boolean): Promise<Record<string, number>> {
   const failedOnce = new Set<number>();
   const upstream = await startFakeUpstream(t, async (call) => {
     const content = (call.body as { messages: { content: string }[] }).messages[0]!.content;
@@ -119,8 +138,6 @@ async function race(t: Test, apart: boolean) {
   }
   t.same(problems.slice(0, 20), [], `each request ended once, its rows agreeing (${problems.length} problems)`);
   t.comment(`ended: ${JSON.stringify(ended)}`);
-  const won = (status: string) => Object.entries(ended).some(([end, count]) => end.startsWith(status) && count > 0);
-  t.ok(won('completed') && won('cancelled') && won('failed deadline_exceeded'), 'the answer, the cancel and the deadline each won some');
 
   await until(() => new Set(receiver.deliveries.map((delivery) => delivery.headers['webhook-id'])).size >= REQUESTS, 'an event for each request', 15_000);
   // Time for a second event of a request, were there one.
@@ -136,4 +153,5 @@ async function race(t: Test, apart: boolean) {
     }
   }
   t.same(eventProblems.slice(0, 20), [], 'each request has one event, of the end it met');
+  return ended;
 }
