@@ -104,7 +104,9 @@ for (const ending of ['cancelled', 'failed for its deadline'] as const) {
       return { status: 200, json: completionFor(call.body) };
     });
     const file = await upstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: ['gpt-test'] }]);
-    const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '30000' } });
+    // WORKER_DEAD_AFTER_MS of a minute keeps the rescue of stranded queues (worker/rescue.ts) out
+    // of the way: the dispatch must come from the probe's end.
+    const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '30000', WORKER_DEAD_AFTER_MS: '60000' } });
     // The requests that open the lane, one of which is its probe; for the deadline's case, of a
     // key whose requests fail 3 s after their acceptance, their probe among them.
     const first = await gateway.createKey({ mode: 'live', ...(ending === 'cancelled' ? {} : { deadlineMs: 3_000 }) });
