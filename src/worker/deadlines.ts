@@ -6,6 +6,7 @@
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
+import { inBatches } from './batches.ts';
 import { expireRequests } from './deadlines-repository.ts';
 
 /** Requests failed per statement at most: a full batch is followed at once by another. */
@@ -17,16 +18,14 @@ const EXPIRY_BATCH = 1_000;
  * start); returns how many.
  */
 export async function expireOverdue(deps: { db: Db; metrics: Metrics; logger: Logger }, signal?: AbortSignal): Promise<number> {
-  let total = 0;
-  for (let batch = EXPIRY_BATCH; batch === EXPIRY_BATCH && !signal?.aborted; ) {
-    const expired = await expireRequests(deps.db, EXPIRY_BATCH);
-    batch = 0;
-    for (const { mode, from, count } of expired) {
+  const total = await inBatches(EXPIRY_BATCH, async () => {
+    let batch = 0;
+    for (const { mode, from, count } of await expireRequests(deps.db, EXPIRY_BATCH)) {
       deps.metrics.expired.inc({ mode, from }, count);
       batch += count;
     }
-    total += batch;
-  }
+    return batch;
+  }, signal);
   if (total > 0) deps.logger.info({ component: 'deadlines', expired: total }, 'requests failed: their deadline passed');
   return total;
 }

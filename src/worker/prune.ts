@@ -8,6 +8,7 @@
 // several at once share the work, each taking queues the others have not locked.
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
+import { inBatches } from './batches.ts';
 import { pruneIdleQueues } from './prune-repository.ts';
 
 /** Queues deleted per statement at most: a full batch is followed at once by another. */
@@ -23,11 +24,11 @@ export async function pruneQueues(
   signal?: AbortSignal,
 ): Promise<string[]> {
   const pruned: string[] = [];
-  for (let batch = PRUNE_BATCH; batch === PRUNE_BATCH && !signal?.aborted; ) {
+  await inBatches(PRUNE_BATCH, async () => {
     const deleted = await pruneIdleQueues(deps.db, idleMs, PRUNE_BATCH);
     pruned.push(...deleted.map((queue) => queue.id));
-    batch = deleted.length;
-  }
+    return deleted.length;
+  }, signal);
   if (pruned.length > 0) deps.logger.info({ component: 'prune', queues: pruned.length }, 'idle queues and their lanes deleted');
   return pruned;
 }

@@ -15,6 +15,7 @@
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
+import { inBatches } from './batches.ts';
 import { dispatchStranded, wakeStrandedEndpoints } from './rescue-repository.ts';
 
 /** Queues, or endpoints, rescued per statement at most: a full batch is followed at once by another. */
@@ -23,28 +24,20 @@ const RESCUE_BATCH = 100;
 /**
  * Dispatches every queue with a request due for `afterMs` and nothing to dispatch it, and wakes
  * every webhook endpoint with a message due for as long and nothing to deliver it, a batch at a
- * time, until none is left or `signal` is aborted; returns how many.
+ * time, until none is left or `signal` is aborted.
  */
-export async function rescueStranded(
-  deps: { db: Db; metrics: Metrics; logger: Logger },
-  afterMs: number,
-  signal?: AbortSignal,
-): Promise<{ queues: number; endpoints: number }> {
+export async function rescueStranded(deps: { db: Db; metrics: Metrics; logger: Logger }, afterMs: number, signal?: AbortSignal): Promise<void> {
   const log = deps.logger.child({ component: 'rescue' });
-  const rescued = { queues: 0, endpoints: 0 };
-  for (let batch = RESCUE_BATCH; batch === RESCUE_BATCH && !signal?.aborted; ) {
+  await inBatches(RESCUE_BATCH, async () => {
     const queues = await dispatchStranded(deps.db, afterMs, RESCUE_BATCH);
     for (const { mode } of queues) deps.metrics.rescuedQueues.inc({ mode });
     if (queues.length > 0) log.info({ queueIds: queues.map((queue) => queue.id) }, 'queues with requests due and nothing to dispatch them: dispatched');
-    batch = queues.length;
-    rescued.queues += batch;
-  }
-  for (let batch = RESCUE_BATCH; batch === RESCUE_BATCH && !signal?.aborted; ) {
+    return queues.length;
+  }, signal);
+  await inBatches(RESCUE_BATCH, async () => {
     const endpoints = await wakeStrandedEndpoints(deps.db, afterMs, RESCUE_BATCH);
     deps.metrics.rescuedEndpoints.inc(endpoints.length);
     if (endpoints.length > 0) log.info({ endpointIds: endpoints }, 'webhook endpoints with messages due and nothing to deliver them: woken');
-    batch = endpoints.length;
-    rescued.endpoints += batch;
-  }
-  return rescued;
+    return endpoints.length;
+  }, signal);
 }
