@@ -291,11 +291,11 @@ export interface Lanes {
    */
   refilled_at: Timestamp | null;
   /**
-   * Calls that may start now under requests_per_minute, as of refilled_at: a bucket of 0.9 s of calls, refilled continuously.
+   * Calls that may start now under requests_per_minute, as of refilled_at: a bucket of a part of a second of calls, refilled continuously.
    */
   request_allowance: number | null;
   /**
-   * Calls started per minute at most (paced at 95 %, at most 0.9 s worth at once); null: no limit.
+   * Calls started per minute at most (paced at 95 %, at most a part of a second's worth at once: docs/lanes.md, "Pacing"); null: no limit.
    */
   requests_per_minute: number | null;
   /**

@@ -143,12 +143,15 @@ export interface DeploymentLane {
 
 /**
  * How close to its limits a lane runs. A call reaches the upstream a moment after it is admitted,
- * and not always in the order admitted, so a lane paced exactly at its limits would meet a 429
- * now and then. It is paced at 95 % of them, and starts at most 0.9 s worth of its
- * requests_per_minute (and tokens_per_minute) at once: a call may then arrive about 100 ms late
- * against the one after it and still find room.
+ * and not always in the order admitted (a worker's event loop busy for a moment, a connection
+ * being opened), so a lane paced exactly at its limits would meet a 429 now and then. It is paced
+ * at 95 % of them, and starts at most half a second's worth of its requests_per_minute (and
+ * tokens_per_minute) at once. Against a provider's bucket of one second of calls, a call may then
+ * arrive about half a second late against those after it and still find room, and 5 % more of
+ * a second for every second the lane has run at its pace. Only a cold lane's first moment pays for
+ * it: the rate it keeps is the same.
  */
-export const LANE_PACING = Object.freeze({ pace: 0.95, burstSeconds: 0.9 });
+export const LANE_PACING = Object.freeze({ pace: 0.95, burstSeconds: 0.5 });
 
 const claimStatement = statement(
   ['queue_id', 'max', 'worker_id', 'lane_ids', 'max_concurrent', 'requests_per_minute', 'tokens_per_minute'] as const,

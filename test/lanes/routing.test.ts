@@ -2,6 +2,7 @@
 // tokens of each completion stored with its request, summed by gateway.usage_daily, corrected
 // into its lane's token allowance, and counted in the metrics.
 import t from 'tap';
+import { LANE_PACING } from '../../src/lanes/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { countRows } from '../helpers/rows.ts';
@@ -145,8 +146,9 @@ t.test('tokens_per_minute: the estimate is stored at acceptance and the lane cor
   const [row] = rows;
   t.ok(row.prompt_tokens_estimate > 5 && row.prompt_tokens_estimate < 40, `a prompt estimate stored (${row.prompt_tokens_estimate})`);
   t.equal(row.tokens_per_minute, 600_000, 'the lane carries its limit');
-  // A full allowance is 0.9 s of 600,000 a minute: 9,000. The claim took the estimate; the
-  // completion took the rest of its 1,020 (refills since are at most a few hundred).
-  const spent = 9_000 - row.token_allowance;
-  t.ok(spent > 1_020 - 300 && spent <= 1_020, `the lane was charged the usage, not the estimate (${spent.toFixed(0)} of 9000)`);
+  // A full allowance is LANE_PACING.burstSeconds of 600,000 a minute. The claim took the estimate;
+  // the completion took the rest of its 1,020 (refills since are at most a few hundred).
+  const full = (LANE_PACING.burstSeconds * 600_000) / 60;
+  const spent = full - row.token_allowance;
+  t.ok(spent > 1_020 - 300 && spent <= 1_020, `the lane was charged the usage, not the estimate (${spent.toFixed(0)} of ${full})`);
 });

@@ -7,15 +7,15 @@ import { sql } from 'kysely';
 import t, { type Test } from 'tap';
 import { createDb, createPool, type Db } from '../../src/db/pool.ts';
 import { LANE_HEALTH } from '../../src/lanes/health.ts';
-import { claimQueue, ensureLanes, ensureQueue, type QueueClaim } from '../../src/lanes/repository.ts';
+import { claimQueue, ensureLanes, ensureQueue, LANE_PACING, type QueueClaim } from '../../src/lanes/repository.ts';
 import { createLogger } from '../../src/logger.ts';
 import { NO_LIMITS, type LaneLimits } from '../../src/upstream/upstreams.ts';
 import { finishAttempts } from '../../src/worker/attempts-repository.ts';
 import { createTestDatabase } from '../helpers/database.ts';
 
-// 60,000 tokens a minute: a full allowance is 0.9 s of it paced at 95 %, 900 tokens.
-const TOKENS_PER_MINUTE = 60_000;
+// A full allowance of 900 tokens: LANE_PACING.burstSeconds of the lane's tokens_per_minute.
 const FULL = 900;
+const TOKENS_PER_MINUTE = (FULL * 60) / LANE_PACING.burstSeconds;
 const METERED: LaneLimits = { ...NO_LIMITS, tokensPerMinute: TOKENS_PER_MINUTE };
 const LARGE = 2_000;
 const SMALL = 50;
@@ -156,7 +156,7 @@ t.test('a call spends at most a minute of tokens_per_minute, when it starts and 
   // Accepted while a deployment allowed 10,000 tokens a minute; the lane now allows 3,000.
   await fair.plant('large', 2, 10_000);
   const shrunk: LaneLimits = { ...NO_LIMITS, tokensPerMinute: 3_000 };
-  const full = 0.9 * 3_000 / 60;
+  const full = (LANE_PACING.burstSeconds * 3_000) / 60;
   const first = await fair.claim(full, shrunk);
   t.equal(first.started.length, 1);
   const allowance = async () => {
