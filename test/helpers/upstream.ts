@@ -5,8 +5,9 @@
 // hold the rest. The server can also refuse connections for a while (its port closed), and
 // enforce limits of its own as providers do: a token bucket of requests_per_minute (one second's
 // worth of calls, refilled continuously) and at most max_concurrent calls at once, answering 429
-// with retry-after beyond either. Every call is recorded, with when it arrived and ended and the
-// status it was answered.
+// with retry-after beyond either; a call can be made to reach the limits late (`lateMs`), as one
+// held up on its way does. Every call is recorded, with when it arrived and ended and the status
+// it was answered.
 import http from 'node:http';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { listenOnLoopback } from './ports.ts';
@@ -71,7 +72,11 @@ export interface FakeUpstream {
 export async function startFakeUpstream(
   t: Teardown,
   reply: Script = completionAfter(0),
-  options: { limits?: Limits } = {},
+  options: {
+    limits?: Limits;
+    /** How long after it arrived the limits see a call (decided when it arrives): 0 when not given. */
+    lateMs?: (call: ReceivedCall) => number;
+  } = {},
 ): Promise<FakeUpstream> {
   const calls: ReceivedCall[] = [];
   const refused = { rate: 0, concurrency: 0 };
@@ -95,6 +100,8 @@ export async function startFakeUpstream(
       arrivedAt: Date.now(),
     };
     calls.push(call);
+    const late = options.lateMs?.(call) ?? 0;
+    if (late > 0) await sleep(late);
     const limit = overLimit(performance.now(), inFlight);
     if (limit) refused[limit.by]++;
     else {

@@ -1,7 +1,7 @@
 // Lanes against an upstream that enforces limits of its own (startFakeUpstream's `limits`),
 // with the same limits in UPSTREAMS_FILE, one API and two worker processes sharing a database:
-// the limits hold across both workers, a burst takes about the time the limits allow, projects
-// take turns, and a 429 silences the lane in both processes.
+// the limits hold across both workers, a burst takes about the time the limits allow, calls held up
+// on their way still find room, projects take turns, and a 429 silences the lane in both processes.
 import { mkdtemp, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
@@ -11,7 +11,7 @@ import { LANE_PACING } from '../../src/lanes/repository.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
 import { spawnServe } from '../helpers/serve.ts';
-import { completionAfter, rateLimited, startFakeUpstream, type FakeUpstream, type Limits } from '../helpers/upstream.ts';
+import { completionAfter, rateLimited, startFakeUpstream, type FakeUpstream, type Limits, type ReceivedCall } from '../helpers/upstream.ts';
 import { until, waitFor } from '../helpers/wait.ts';
 
 interface Setup {
@@ -29,10 +29,13 @@ interface Setup {
 }
 
 /** The upstream, an API process (in this test's process) and two worker processes, all with `limits`. */
-async function setUp(t: Test, limits: Limits, delayMs: number): Promise<Setup> {
+async function setUp(t: Test, limits: Limits, delayMs: number, lateMs?: (call: ReceivedCall) => number): Promise<Setup> {
   const told: number[] = [];
   const completion = completionAfter(delayMs);
-  const upstream = await startFakeUpstream(t, (call) => (told.length > 0 ? rateLimited(told.shift()!) : completion(call)), { limits });
+  const upstream = await startFakeUpstream(t, (call) => (told.length > 0 ? rateLimited(told.shift()!) : completion(call)), {
+    limits,
+    ...(lateMs ? { lateMs } : {}),
+  });
   const directory = await mkdtemp(path.join(tmpdir(), 'gateway-lanes-'));
   const file = path.join(directory, 'upstreams.json');
   await writeFile(
@@ -132,6 +135,20 @@ t.test('with the upstream\'s own limits configured, a burst takes about the time
   const rows = await setup.api.db.selectFrom('requests').select(['status', 'attempts']).where('id', 'in', ids).execute();
   t.ok(rows.every((row) => row.status === 'completed' && row.attempts === 1), 'all completed, none charged an attempt for waiting');
   t.equal((await workerIds(setup.api, ids)).size, 2, 'both worker processes ran some of them');
+});
+
+t.test('calls that reach the upstream 400 ms late, with those admitted after them, still find room within its limits', async (t) => {
+  // The calls of the lane's first 100 ms are held up for 400 ms on their way (a worker's event
+  // loop busy, connections being opened). The upstream's bucket, full, refills nothing meanwhile,
+  // and they reach it with the calls admitted after them: the lane's first calls at once must
+  // leave room for 400 ms of its pace.
+  const setup = await setUp(t, { requestsPerMinute: 600 }, 200, (call) => (call.arrivedAt - setup.upstream.calls[0]!.arrivedAt < 100 ? 400 : 0));
+  const ids = await setup.submit(await setup.key('late'), 40, 'late');
+  await setup.finished(ids, 60_000);
+  const late = setup.upstream.calls.filter((call) => call.arrivedAt - setup.upstream.calls[0]!.arrivedAt < 100).length;
+  t.ok(late > 1, `the first ${late} calls were held up`);
+  t.same(setup.upstream.refused, { rate: 0, concurrency: 0 }, 'the upstream\'s limits refused no call');
+  t.equal(setup.upstream.calls.length, 40, 'one call per request');
 });
 
 t.test('one project\'s burst does not delay another project\'s requests behind it', async (t) => {
