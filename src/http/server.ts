@@ -1,6 +1,8 @@
 // The node:http servers the apps are served on: limits that keep broken or hostile clients from
-// holding sockets, the contract's error shape for requests too broken to reach an app, and a
-// close that lets in-flight requests finish.
+// holding sockets, sockets enough to listen on that a flood of new connections does not hold
+// everyone else's behind it, the contract's error shape for requests too broken to reach an app,
+// and a close that lets in-flight requests finish.
+import cluster from 'node:cluster';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { Duplex } from 'node:stream';
@@ -10,11 +12,63 @@ import { ApiError, invalidRequest } from '../errors.ts';
 /** How long the server keeps an idle keep-alive connection open. */
 export const KEEP_ALIVE_TIMEOUT_MS = 65_000;
 
-/** Each server's requests not yet answered, and whether it is closing (closeServer). */
-const servers = new WeakMap<http.Server, { unanswered: Set<http.ServerResponse>; closing: boolean }>();
+/**
+ * Sockets a server listens on, all on its port (SO_REUSEPORT), where the platform has it. libuv
+ * accepts one connection per listening socket in a turn of the event loop, and a turn of a busy
+ * process takes tens of milliseconds: a client that opens hundreds of connections at once fills a
+ * single socket's queue of connections to accept, and every other client's new connection waits
+ * behind them, first in first out, for seconds. Over 16 sockets, the kernel spreads new
+ * connections over 16 queues, and a turn accepts up to 16 of them.
+ */
+export const LISTENING_SOCKETS = 16;
 
-export function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
-  const state = { unanswered: new Set<http.ServerResponse>(), closing: false };
+interface ServerState {
+  /** Requests not yet answered, on any of the server's sockets. */
+  unanswered: Set<http.ServerResponse>;
+  closing: boolean;
+  /** The servers of its other listening sockets (LISTENING_SOCKETS). */
+  siblings: http.Server[];
+}
+
+/** Each server's state (closeServer), the same for the servers of its other sockets. */
+const servers = new WeakMap<http.Server, ServerState>();
+
+/**
+ * Serves `handler` on port and host: on LISTENING_SOCKETS sockets sharing the port, or one where
+ * the platform cannot share it or the process is an API process of a cluster (its primary
+ * accepts the connections). The server returned stands for all of them (closeServer, urlOf).
+ * A port already in use is refused (EADDRINUSE) as by a single socket, even when whoever holds it
+ * would share it.
+ */
+export async function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
+  const state: ServerState = { unanswered: new Set(), closing: false, siblings: [] };
+  const serve = () => {
+    const server = createServer(handler, state);
+    servers.set(server, state);
+    return server;
+  };
+  const server = serve();
+  if (cluster.isWorker) return bind(server, { port, host });
+  // Sockets that share a port bind where another sharing one is bound: one that does not share
+  // it tells whether the port is free.
+  if (port !== 0) await unbind(await bind(http.createServer(), { port, host }));
+  try {
+    await bind(server, { port, host, reusePort: true });
+  } catch (error) {
+    if ((error as { code?: string }).code !== 'ENOTSUP') throw error;
+    return bind(server, { port, host });
+  }
+  const shared = (server.address() as AddressInfo).port;
+  try {
+    for (let i = 1; i < LISTENING_SOCKETS; i++) state.siblings.push(await bind(serve(), { port: shared, host, reusePort: true }));
+  } catch (error) {
+    await Promise.all([server, ...state.siblings].map(unbind));
+    throw error;
+  }
+  return server;
+}
+
+function createServer(handler: http.RequestListener, state: ServerState): http.Server {
   const server = http.createServer(
     {
       // Hostile or broken clients may not hold a socket open without sending a request.
@@ -35,15 +89,27 @@ export function listen(handler: http.RequestListener, port: number, host: string
       handler(request, response);
     },
   );
-  servers.set(server, state);
   server.maxHeadersCount = 100;
   server.on('clientError', answerClientError);
+  return server;
+}
+
+/** Resolves with the server once it listens; rejects with the error of a listen that failed. */
+function bind(server: http.Server, options: { port: number; host: string; reusePort?: boolean }): Promise<http.Server> {
   return new Promise((resolve, reject) => {
     server.once('error', reject);
-    server.listen(port, host, () => {
+    server.listen(options, () => {
       server.off('error', reject);
       resolve(server);
     });
+  });
+}
+
+/** Stops listening, and ends the server's idle connections; resolves once its connections have all ended. */
+function unbind(server: http.Server): Promise<void> {
+  return new Promise((resolve) => {
+    server.close(() => resolve());
+    server.closeIdleConnections();
   });
 }
 
@@ -76,10 +142,10 @@ function answerClientError(error: Error & { code?: string }, socket: Duplex): vo
 const SENDING_GRACE_MS = 5_000;
 
 /**
- * Stops accepting, closes idle keep-alive sockets, and resolves when in-flight requests are
- * answered: their answers, and those of requests that still come on open connections, say
- * `Connection: close`, and each connection closes once its answer is sent (rather than being
- * kept for another request for KEEP_ALIVE_TIMEOUT_MS).
+ * Stops accepting (on each of the server's sockets), closes idle keep-alive sockets, and resolves
+ * when in-flight requests are answered: their answers, and those of requests that still come on
+ * open connections, say `Connection: close`, and each connection closes once its answer is sent
+ * (rather than being kept for another request for KEEP_ALIVE_TIMEOUT_MS).
  *
  * Node's close ends at once every connection whose request it has read and whose answer is
  * written, even if that answer is still being sent (a large one, or to a client slow to read):
@@ -100,10 +166,7 @@ export function closeServer(server: http.Server): Promise<void> {
       if (sending.length === 0 || left <= 0) break;
       await Promise.race([Promise.all(sending.map(sent)), sleep(left, undefined, { ref: false })]);
     }
-    await new Promise<void>((resolve) => {
-      server.close(() => resolve());
-      server.closeIdleConnections();
-    });
+    await Promise.all([server, ...(state?.siblings ?? [])].map(unbind));
   })();
 }
 

@@ -25,11 +25,11 @@
 // everything drains. NEIGHBOUR_ATTACKS=big-prompts,test-429 runs only those attacks (or "none":
 // B alone in every phase, the run-to-run noise); NEIGHBOUR_BASELINE_S, NEIGHBOUR_ATTACK_S and
 // NEIGHBOUR_AFTER_S change the phases' lengths; NEIGHBOUR_A_CONNECTIONS (32) bounds the
-// connections A's client opens (with hundreds, the API's accepting of them stalls everyone's
-// requests for seconds, and B's held requests then meet its own key's burst together: the
-// gateway limits no client's connections yet); NEIGHBOUR_SETTINGS="DATABASE_POOL_SIZE=20,..."
-// changes the gateway's settings below for one run; NEIGHBOUR_PROFILE=<directory> has the
-// gateway's processes write CPU profiles there.
+// connections A's client opens (256 makes the attack's first seconds a heavier load on the
+// machine: A's client and the API make and accept them all at once; test/http/listening.test.ts
+// proves that B's new connections do not wait behind them);
+// NEIGHBOUR_SETTINGS="DATABASE_POOL_SIZE=20,..." changes the gateway's settings below for one
+// run; NEIGHBOUR_PROFILE=<directory> has the gateway's processes write CPU profiles there.
 //
 // The settings are those a careful operator of a gateway shared by several projects would set:
 //   RATE_LIMIT_RPS=20               per key: twice what B's keys send, so B never meets it (its
