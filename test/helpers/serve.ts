@@ -2,9 +2,11 @@
 // environment of its own, its stdout and stderr kept line by line in memory (and in a log file,
 // when given one), sent any signal, and started again.
 import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
 import { appendFileSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Config } from '../../src/config.ts';
+import { createTestDatabase } from './database.ts';
 import { childEnv, childExecArgv } from './node-child.ts';
 import type { Teardown } from './teardown.ts';
 
@@ -26,6 +28,29 @@ export function spawnServe(t: Teardown, env: Record<string, string>, args: strin
   gateway.spawn();
   t.teardown(() => gateway.destroy());
   return gateway;
+}
+
+/**
+ * An API process (`serve --role api`) on a test database of its own, listening on a port of its
+ * choosing on loopback, with `env` over those settings; not started yet, killed at teardown.
+ */
+export async function apiProcess(t: Teardown, env: Record<string, string> = {}): Promise<GatewayProcess> {
+  const api = new GatewayProcess({
+    label: 'api',
+    args: ['--role', 'api'],
+    env: {
+      ...childEnv(),
+      DATABASE_URL: await createTestDatabase(t),
+      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+      PORT: '0',
+      HOST: '127.0.0.1',
+      LOG_LEVEL: 'info',
+      ...env,
+    },
+    nodeArgs: childExecArgv(),
+  });
+  t.teardown(() => api.destroy());
+  return api;
 }
 
 export interface Exit {

@@ -5,36 +5,20 @@
 // The process is held here with SIGSTOP, as the kernel holds a starved one. And a server that
 // keeps idle connections that long must close them itself as it shuts down, after the answers
 // still being sent on them.
-import { randomBytes } from 'node:crypto';
 import http from 'node:http';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { closeServer, KEEP_ALIVE_TIMEOUT_MS, listen } from '../../src/http/server.ts';
-import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { childEnv, childExecArgv } from '../helpers/node-child.ts';
-import { GatewayProcess } from '../helpers/serve.ts';
+import { apiProcess } from '../helpers/serve.ts';
 import { until } from '../helpers/wait.ts';
 
 // Longer than the keep-alive timeouts of Node's own servers (5 s), shorter than the gateway's.
 const PAUSE_MS = 6_000;
 
 t.test(`a request sent on an idle keep-alive connection while the API process is paused for ${PAUSE_MS / 1000} s is answered, not reset`, async (t) => {
-  const api = new GatewayProcess({
-    label: 'api',
-    args: ['--role', 'api'],
-    env: {
-      ...childEnv(),
-      DATABASE_URL: await createTestDatabase(t),
-      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
-      PORT: '0',
-      HOST: '127.0.0.1',
-      LOG_LEVEL: 'info',
-    },
-    nodeArgs: childExecArgv(),
-  });
-  t.teardown(() => api.destroy());
+  const api = await apiProcess(t);
   await api.start();
 
   // One connection, kept: the second request goes on the first one's connection.

@@ -10,13 +10,10 @@
 // wait to be accepted when it runs again, the other client's last; what is counted is how many
 // answers the flood got before the other client's, not a time. And sockets that share a port
 // still refuse one in use, as a single socket does.
-import { randomBytes } from 'node:crypto';
 import net from 'node:net';
 import t from 'tap';
 import { closeServer, listen, LISTENING_SOCKETS } from '../../src/http/server.ts';
-import { createTestDatabase } from '../helpers/database.ts';
-import { childEnv, childExecArgv } from '../helpers/node-child.ts';
-import { GatewayProcess } from '../helpers/serve.ts';
+import { apiProcess } from '../helpers/serve.ts';
 
 const FLOOD = 256;
 const REQUEST = 'GET /healthz HTTP/1.1\r\nhost: gateway\r\n\r\n';
@@ -41,20 +38,7 @@ function connect(port: number, onAnswer: () => void): Promise<net.Socket> {
 }
 
 t.test(`a flood of ${FLOOD} new connections does not hold another client's new connection behind it`, async (t) => {
-  const api = new GatewayProcess({
-    label: 'api',
-    args: ['--role', 'api'],
-    env: {
-      ...childEnv(),
-      DATABASE_URL: await createTestDatabase(t),
-      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
-      PORT: '0',
-      HOST: '127.0.0.1',
-      LOG_LEVEL: 'info',
-    },
-    nodeArgs: childExecArgv(),
-  });
-  t.teardown(() => api.destroy());
+  const api = await apiProcess(t);
   await api.start();
   const port = Number(new URL(api.url!).port);
 
