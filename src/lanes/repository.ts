@@ -147,9 +147,9 @@ export interface DeploymentLane {
  * being opened), so a lane paced exactly at its limits would meet a 429 now and then. It is paced
  * at 95 % of them, and starts at most half a second's worth of its requests_per_minute (and
  * tokens_per_minute) at once. Against a provider's bucket of one second of calls, a call may then
- * arrive about half a second late against those after it and still find room, and 5 % more of
- * a second for every second the lane has run at its pace. Only a cold lane's first moment pays for
- * it: the rate it keeps is the same.
+ * arrive about half a second late against those after it and still find room, and 50 ms more for
+ * every second the lane has run at its pace. Only a cold lane's first moment pays for it: the
+ * rate it keeps is the same.
  */
 export const LANE_PACING = Object.freeze({ pace: 0.95, burstSeconds: 0.5 });
 
