@@ -24,7 +24,8 @@ const RESCUE_KEY_PREFIX = 'dispatch_rescue:';
  *   or a lane's probe;
  * - no dispatch_queue job of the queue, due at any time, or running (a job spent, its attempts
  *   used up, does not count).
- * Returns them.
+ * Returns them. The limit counts stranded queues only: queues due with a job of their own (a
+ * lane paused, its dispatch scheduled) would otherwise fill every batch and hide those after them.
  *
  * The jobs are read in graphile-worker's own table: its public view (graphile_worker.jobs) leaves
  * the payload out, and the payload is what names the queue. A job is looked for only for the few
@@ -47,8 +48,6 @@ export async function dispatchStranded(db: Db, afterMs: number, limit: number): 
               join gateway.requests on requests.lane_id = lanes.id and requests.status = 'processing'
               where lanes.queue_id = queues.id
                 and (lanes.max_concurrent is not null or requests.id = lanes.probe_request_id))
-      order by queues.id
-      limit ${limit}
     ), stranded as (
       select due.id, due.mode
       from due
@@ -58,6 +57,8 @@ export async function dispatchStranded(db: Db, afterMs: number, limit: number): 
         where tasks.identifier = ${DISPATCH_QUEUE} and jobs.payload->>'queue_id' = due.id::text
           and (jobs.locked_at is not null or jobs.attempts < jobs.max_attempts)
       )
+      order by due.id
+      limit ${limit}
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
@@ -80,8 +81,9 @@ export async function dispatchStranded(db: Db, afterMs: number, limit: number): 
  * - it has no wake_webhook_endpoint job, due at any time, or running;
  * - no deliver_webhook job names it that is due or running (one due later, a retry of another
  *   message, takes none of the waiting ones).
- * Returns their ids. A job spent (its attempts used up) does not count; its row, holding the
- * endpoint's wake key, is taken for the new job.
+ * Returns their ids; the limit counts those only, as dispatchStranded's does. A job spent (its
+ * attempts used up) does not count; its row, holding the endpoint's wake key, is taken for the
+ * new job.
  */
 export async function wakeStrandedEndpoints(db: Db, afterMs: number, limit: number): Promise<string[]> {
   const { rows } = await sql<{ id: string }>`
@@ -94,8 +96,6 @@ export async function wakeStrandedEndpoints(db: Db, afterMs: number, limit: numb
               select from gateway.webhook_messages as messages
               where messages.endpoint_id = endpoints.id and messages.status = 'pending'
                 and messages.next_try_at <= now() - ${afterMs}::float8 * interval '1 millisecond')
-      order by endpoints.id
-      limit ${limit}
     ), stranded as (
       select due.id
       from due
@@ -108,6 +108,8 @@ export async function wakeStrandedEndpoints(db: Db, afterMs: number, limit: numb
               join graphile_worker._private_tasks as tasks on tasks.id = jobs.task_id
               where tasks.identifier = ${DELIVER_WEBHOOK} and jobs.payload->>'endpoint_id' = due.id
                 and (jobs.locked_at is not null or (jobs.attempts < jobs.max_attempts and jobs.run_at <= now())))
+      order by due.id
+      limit ${limit}
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(

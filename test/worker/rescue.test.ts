@@ -69,7 +69,8 @@ t.test('a queue with a request due and nothing to dispatch it is dispatched, and
 
   // Once the call in flight on the capped lane has ended, nothing will dispatch its queue.
   await gateway.pool.query(`update gateway.requests set status = 'queued', lane_id = null where id = $1`, [call.id]);
-  t.same(await dispatchStranded(gateway.db, 5_000, 100), [{ id: capped.queueId, mode: 'live' }], 'the capped queue, its call ended');
+  // Batches of one: the due queues with jobs, before it in id order, do not fill the batch.
+  t.same(await dispatchStranded(gateway.db, 5_000, 1), [{ id: capped.queueId, mode: 'live' }], 'the capped queue, its call ended, though queues with jobs come before it');
 });
 
 t.test('a worker dispatches a queue whose wake-up was lost', async (t) => {
@@ -111,7 +112,10 @@ t.test('an endpoint with a message due and nothing to deliver it is woken, and n
     );
   }
 
-  t.same((await wakeStrandedEndpoints(gateway.db, 5_000, 100)).sort(), [stranded!.id, later!.id].sort(), 'the stranded endpoint, and the one whose only try is due later');
+  // Batches of one: the endpoints due with a job, whichever come first in id order, do not fill a batch.
+  const batches = [await wakeStrandedEndpoints(gateway.db, 5_000, 1), await wakeStrandedEndpoints(gateway.db, 5_000, 1)];
+  t.same(batches.map((batch) => batch.length), [1, 1], 'one endpoint in each batch of one');
+  t.same(batches.flat().sort(), [stranded!.id, later!.id].sort(), 'the stranded endpoint, and the one whose only try is due later');
   const wakes = await wakeJobs(gateway.db);
   for (const endpoint of [stranded!, later!]) {
     t.match(wakes.filter((wake) => wake.endpoint_id === endpoint.id), [{ deferrals: 0, key: `wake_webhook_endpoint:${endpoint.id}` }], 'its wake job added');
