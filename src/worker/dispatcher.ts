@@ -149,8 +149,12 @@ export class Dispatcher {
    * same room free, and together start more calls than the capacity.
    */
   readonly #reserved: Record<KeyMode, number> = { live: 0, test: 0 };
-  /** Calls in flight, by request id. */
-  readonly #calls = new Map<string, InFlight>();
+  /**
+   * Calls in flight, by request id. A request may have two here: a call of its attempt that
+   * another worker's sweep recorded as worker_lost (this process's heartbeat came late) is still
+   * under way when this process claims the next attempt.
+   */
+  readonly #calls = new Map<string, Set<InFlight>>();
   #stopping = false;
   #polling: NodeJS.Timeout | undefined;
   /** Checks of the calls' requests under way (#checkEnded), awaited by stop(). */
@@ -186,9 +190,9 @@ export class Dispatcher {
     for (const id of ids) this.#routes.delete(id);
   }
 
-  /** These requests ended (gateway_requests_finished): a call of one still in flight here is aborted. */
+  /** These requests ended (gateway_requests_finished): their calls still in flight here are aborted. */
   ended(ids: Iterable<string>): void {
-    for (const id of ids) this.#calls.get(id)?.controller.abort(ABORTED_AS_ENDED);
+    for (const id of ids) for (const call of this.#calls.get(id) ?? []) call.controller.abort(ABORTED_AS_ENDED);
   }
 
   /**
@@ -293,7 +297,7 @@ export class Dispatcher {
     // workers may have room now.
     for (const waiting of [...this.#waitingForCapacity.live, ...this.#waitingForCapacity.test]) this.#handOver(waiting.id);
     await Promise.all([...this.#queues.values()].map((queue) => queue.loop));
-    await landWithin(this.#options.graceMs, () => this.#calls.values(), () => this.#options.attempts.abandonRecordings());
+    await landWithin(this.#options.graceMs, () => [...this.#calls.values()].flatMap((calls) => [...calls]), () => this.#options.attempts.abandonRecordings());
     await Promise.all(this.#checks);
     await Promise.all(this.#handingOver);
   }
@@ -449,7 +453,8 @@ export class Dispatcher {
     void running.then((retryInMs) => retryInMs !== undefined && this.wakeIn(queueId, retryInMs), () => {});
     const done = running.finally(() => {
       stopTimeout();
-      this.#calls.delete(started.id);
+      calls.delete(call);
+      if (calls.size === 0) this.#calls.delete(started.id);
       this.#inFlight[target.mode]--;
       if (this.#stopping) {
         // The room it leaves on its lane is for another worker to take.
@@ -459,7 +464,10 @@ export class Dispatcher {
       if (limits.maxConcurrent !== undefined) this.poke(queueId);
       for (const waiting of this.#waitingForCapacity[target.mode]) this.poke(waiting.id);
     });
-    this.#calls.set(started.id, { controller, done });
+    const call: InFlight = { controller, done };
+    const calls = this.#calls.get(started.id) ?? new Set();
+    calls.add(call);
+    this.#calls.set(started.id, calls);
   }
 
   /** An open lane's probe starts: the lane is probing. */
