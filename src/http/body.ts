@@ -6,7 +6,8 @@ import type { Step } from './context.ts';
 
 export function readBody(maxBodyBytes: number): Step {
   return async (ctx) => {
-    if (ctx.request.type !== 'application/json') throw unsupportedMediaType();
+    // Media types are case-insensitive, and Koa gives the header's own text before any `;`.
+    if (ctx.request.type.trim().toLowerCase() !== 'application/json') throw unsupportedMediaType();
     const charset = ctx.request.charset;
     if (charset && charset.toLowerCase() !== 'utf-8' && charset.toLowerCase() !== 'utf8') throw unsupportedMediaType();
     const encoding = ctx.get('content-encoding');

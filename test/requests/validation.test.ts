@@ -104,6 +104,17 @@ t.test('malformed JSON, wrong media types and oversized bodies are refused', asy
   t.equal(await countRows(gateway.db, 'requests'), 0, 'no request stored');
 });
 
+t.test('the JSON media type is accepted however its case and spaces are written', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const types = ['Application/JSON', 'APPLICATION/JSON; CHARSET=UTF-8', 'application/json ; charset=utf-8', 'application/json; charset="UTF-8"', ' application/json'];
+  for (const type of types) {
+    const answer = await send(gateway.url, { path: '/v1/chat/completions', body: JSON.stringify(valid), headers: { 'content-type': type }, key });
+    t.equal(answer.status, 202, `${JSON.stringify(type)}: accepted`);
+  }
+  t.equal(await countRows(gateway.db, 'requests'), types.length);
+});
+
 t.test('values at the edges of every range are accepted', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const client = clientFor(gateway.url, await gateway.createKey());
