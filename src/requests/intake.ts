@@ -17,10 +17,11 @@ import { UnfinishedCounts } from './unfinished-counts.ts';
 
 export interface Intake {
   /**
-   * Throws the 429 that admitSubmission would for a body of `bodyBytes` (what Content-Length
-   * announces; 0 when it is not known yet), and counts nothing.
+   * Throws (or rejects with) the 429 that admitSubmission would for a body of `bodyBytes` (what
+   * Content-Length announces; 0 when it is not known yet), and counts nothing. It waits, when it
+   * returns a promise, for the first count of a project this process does not know yet.
    */
-  checkSubmission(auth: Auth, bodyBytes: number): void;
+  checkSubmission(auth: Auth, bodyBytes: number): void | Promise<void>;
   /**
    * Throws the 429 when the key is over its rate or its byte rate, or its project and mode has
    * too many unfinished requests; else counts the submission and its body's bytes, and the
@@ -107,8 +108,11 @@ export class IntakeLimits implements Intake {
     return (this.#rates?.size ?? 0) + (this.#unfinished?.size ?? 0);
   }
 
-  checkSubmission(auth: Auth, bodyBytes: number): void {
+  checkSubmission(auth: Auth, bodyBytes: number): void | Promise<void> {
     this.#checkSubmission(auth, bodyBytes);
+    // Checked again once its project is counted: a refusal of the rates needs no count.
+    const counted = this.#unfinished?.counted(auth);
+    if (counted) return counted.then(() => void this.#checkSubmission(auth, bodyBytes));
   }
 
   admitSubmission(auth: Auth, bodyBytes: number, requestId: string): void {

@@ -35,6 +35,11 @@ export class SyncLoop {
     return this.#stopped;
   }
 
+  /** Whether the last sync of some part failed (and none has succeeded since). */
+  get failing(): boolean {
+    return this.#failing.size > 0;
+  }
+
   /** Synchronises every `syncMs` from now on. */
   start(): void {
     if (this.#started || this.#stopped) return;

@@ -1,9 +1,11 @@
 // MAX_UNFINISHED_PER_PROJECT: per project and mode seen lately, its unfinished requests as of the
 // last count plus the requests this process admitted that no count has seen yet, so that a request
 // costs no database round trip. The counts are taken for all projects in one statement in the
-// background (each stopping at the limit + 1). A project first seen is admitted until its first
-// count arrives, moments later (it is counted early). When the database cannot be reached, a
-// process counts only its own admissions against projects.
+// background (each stopping at the limit + 1). A project first seen (or seen again after a quiet
+// spell) is counted at once, and its submissions wait for that count (`counted`): admitted on this
+// process's admissions alone, a project already at its limit through other processes, or through
+// requests of its own still unfinished, would get its whole limit again. When the database cannot
+// be reached, a process counts only its own admissions against projects.
 //
 // An admission is known by its request's id, and a count settles which admissions it saw: in one
 // repeatable-read transaction, it counts, and then looks up the ids admitted up to then. A request
@@ -35,6 +37,13 @@ export interface ProjectCount {
  */
 const PENDING_EXPIRY_MS = 60_000;
 
+/**
+ * How long a submission of a project not counted yet waits for its count, at most: past it (a
+ * database slow to answer), it is decided on this process's own admissions, as while the database
+ * cannot be reached.
+ */
+const COUNT_WAIT_MS = 1_000;
+
 export interface UnfinishedCountsOptions {
   syncMs: number;
   /** Projects not seen for this long are forgotten. */
@@ -49,6 +58,8 @@ export class UnfinishedCounts {
   readonly #idleMs: number;
   readonly #projects = new Map<string, ProjectCount>();
   readonly #loop: SyncLoop;
+  /** A count asked for by submissions waiting for their project's (#countNow). */
+  #counting: Promise<void> | undefined;
 
   constructor(db: Db, max: number, options: UnfinishedCountsOptions) {
     this.#db = db;
@@ -62,8 +73,41 @@ export class UnfinishedCounts {
     return this.#projects.size;
   }
 
+  /**
+   * Resolves once the project has been counted, or a count was tried and could not say (the
+   * database failing or slow to answer): undefined when it was counted already or the counts are
+   * failing, so that there is nothing to wait for.
+   */
+  counted(auth: Auth): Promise<void> | undefined {
+    const project = this.#project(auth);
+    if (project.counted !== undefined || this.#loop.failing) return undefined;
+    return (async () => {
+      const giveUpAt = performance.now() + COUNT_WAIT_MS;
+      // A count under way may have listed its projects before this one: then one more.
+      for (let round = 0; round < 2 && project.counted === undefined && !this.#loop.failing; round++) {
+        const left = giveUpAt - performance.now();
+        if (left <= 0) return;
+        let timer: NodeJS.Timeout | undefined;
+        await Promise.race([this.#countNow(), new Promise<void>((resolve) => (timer = setTimeout(resolve, left)))]);
+        clearTimeout(timer);
+      }
+    })();
+  }
+
   /** The project's count, or the 429 when it is at its limit. */
   check(auth: Auth): ProjectCount {
+    const project = this.#project(auth);
+    if ((project.counted ?? 0) + project.pending.size >= this.#max) {
+      throw rateLimitExceeded(
+        1,
+        `This project has ${this.#max} ${auth.mode} requests not yet finished, its limit (MAX_UNFINISHED_PER_PROJECT); retry after 1 s.`,
+      );
+    }
+    return project;
+  }
+
+  /** The project's state, tracked from now if it was not: it is counted early. */
+  #project(auth: Auth): ProjectCount {
     const now = performance.now();
     const key = `${auth.mode} ${auth.projectId}`;
     let project = this.#projects.get(key);
@@ -73,13 +117,15 @@ export class UnfinishedCounts {
       this.#loop.soon();
     }
     project.activeAt = now;
-    if ((project.counted ?? 0) + project.pending.size >= this.#max) {
-      throw rateLimitExceeded(
-        1,
-        `This project has ${this.#max} ${auth.mode} requests not yet finished, its limit (MAX_UNFINISHED_PER_PROJECT); retry after 1 s.`,
-      );
-    }
     return project;
+  }
+
+  /** A count of every project now, shared by all who ask while it is under way. */
+  #countNow(): Promise<void> {
+    this.#counting ??= this.#loop.sync().finally(() => {
+      this.#counting = undefined;
+    });
+    return this.#counting;
   }
 
   /** Counts the admission check() allowed, of the request `requestId`, until a count sees it. */

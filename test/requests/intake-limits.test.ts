@@ -167,3 +167,22 @@ t.test('MAX_UNFINISHED_PER_PROJECT: beyond it a 429, for that project and mode o
   }
   t.equal(admitted.status, 202, 'admitted again once they finished');
 });
+
+t.test('MAX_UNFINISHED_PER_PROJECT: a project this process has not counted yet waits for its count, and gets no more than its limit', async (t) => {
+  // No worker: nothing finishes.
+  const env = { MAX_UNFINISHED_PER_PROJECT: '3' };
+  const a = await startTestGateway(t, { role: 'api', env });
+  const b = await startTestGateway(t, { role: 'api', env, databaseUrl: a.databaseUrl });
+  const key = await a.createKey({ project: 'full', mode: 'test' });
+  const onA = clientFor(a.url, key);
+  const onB = clientFor(b.url, key);
+  const post = (client: typeof onA) => client.post({ model: 'test-echo', messages: userMessage() });
+  const statuses = async (client: typeof onA) => (await Promise.all(Array.from({ length: 3 }, () => post(client)))).map((answer) => answer.status);
+
+  t.same(await statuses(onA), [202, 202, 202], 'its limit, at once, on a process that had not seen it');
+  t.same(await statuses(onB), [429, 429, 429], 'another process, not having seen it either, counts it before it admits');
+  // A process forgets a project after 5 s without a submission from it.
+  await sleep(5_500);
+  t.same(await statuses(onA), [429, 429, 429], 'the first process, having forgotten it while it was quiet, counts it again');
+  t.equal(await countRows(a.db, 'requests'), 3, 'three unfinished requests stored, no more');
+});
