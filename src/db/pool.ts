@@ -250,6 +250,15 @@ export function isDatabaseUnavailable(error: unknown): boolean {
   return unavailableErrors.has(error) || isUnreachable(error);
 }
 
+/**
+ * The statement's transaction lost a conflict with another one and was rolled back: chosen as a
+ * deadlock's victim (40P01), or a serialization failure (40001). Nothing is wrong with the
+ * statement nor with the database: run again, it mostly succeeds.
+ */
+export function isConflict(error: unknown): boolean {
+  return error instanceof pg.DatabaseError && (error.code === '40001' || error.code === '40P01');
+}
+
 /** What of a database error may be logged: its class, code and message, not its query or values. */
 export function errorSummary(error: unknown): { name: string; code?: string; message: string } {
   if (!(error instanceof Error)) return { name: 'Error', message: String(error) };

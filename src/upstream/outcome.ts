@@ -85,15 +85,16 @@ export function checkCompletion(text: string, status: number): AttemptOutcome {
   return { ok: true, result: text, upstreamStatus: status, usage: usageOf(completion.usage) };
 }
 
+// The most tokens a count of `usage` may say: the requests' token columns are integer (int4).
+const MAX_TOKENS = 2_147_483_647;
+
+/** `usage`'s counts, each null where it is missing or does not fit its column (the sum too). */
 function usageOf(value: unknown): Usage {
   const usage = typeof value === 'object' && value !== null ? (value as Record<string, unknown>) : {};
-  const count = (name: string) => {
-    const n = usage[name];
-    return typeof n === 'number' && Number.isSafeInteger(n) && n >= 0 && n <= 2_147_483_647 ? n : null;
-  };
-  const prompt = count('prompt_tokens');
-  const completion = count('completion_tokens');
-  const total = count('total_tokens') ?? (prompt !== null && completion !== null ? prompt + completion : null);
+  const fitting = (n: unknown) => (typeof n === 'number' && Number.isSafeInteger(n) && n >= 0 && n <= MAX_TOKENS ? n : null);
+  const prompt = fitting(usage.prompt_tokens);
+  const completion = fitting(usage.completion_tokens);
+  const total = fitting(usage.total_tokens) ?? (prompt !== null && completion !== null ? fitting(prompt + completion) : null);
   return { prompt, completion, total };
 }
 

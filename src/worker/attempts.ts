@@ -14,7 +14,13 @@
 // (abandonRecordings). A recording given up, or cut short by the process being killed, leaves
 // its attempt running in the database: the supervisor's sweep, in another worker or in this one
 // started again, records it as worker_lost once this worker's heartbeat is gone, and its
-// request is retried.
+// request is retried. A recording that lost a deadlock or a serialization conflict is made
+// again, a few times at most.
+//
+// A completion that the database refuses for good (an answer nested deeper than Postgres's JSON
+// parser goes, say) is recorded as a plain failure instead, upstream_invalid_response with no
+// result, and retried as such: the sweep never recovers an attempt of this live worker, so left
+// running it would hold its request in processing, and its lane's room, until the deadline.
 //
 // A claim leaves a large body out (lanes/repository.ts): its attempt reads it first, one at a
 // time in this process, so that a project's prompts of megabytes hold no other request up, in
@@ -22,7 +28,7 @@
 import { doubling, jitter } from '../client/backoff.ts';
 import type { Config } from '../config.ts';
 import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
-import { errorSummary, type Db } from '../db/pool.ts';
+import { errorSummary, isDatabaseUnavailable, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN } from '../grace.ts';
 import { Line } from '../line.ts';
@@ -117,6 +123,8 @@ export interface Attempts {
 // How long recording a lost attempt is retried while the database is unavailable: the
 // supervisor's next sweeps find the attempt again if this one gives up.
 const RECOVERY_PATIENCE_MS = 60_000;
+// Tries again of a recording that lost a deadlock or a serialization conflict, at most.
+const CONFLICT_RETRIES = 5;
 // Finish statements under way at once (each holds a connection while it runs).
 const GROUP_STATEMENTS_IN_FLIGHT = 2;
 
@@ -147,7 +155,8 @@ export function createAttempts(deps: AttemptDeps): Attempts {
   const largeBodies = new Line({ inFlight: 1, waiting: Number.POSITIVE_INFINITY, refusal: () => new Error('unreachable: the line of large bodies is unbounded') });
   /**
    * Records a finish, retrying while the database is unavailable: until abandoned, or for
-   * `maxWaitMs`. The waiters of this process hear of it (`result`: a completion's, to hand over).
+   * `maxWaitMs`; and after a conflict with another transaction, CONFLICT_RETRIES times at most.
+   * The waiters of this process hear of it (`result`: a completion's, to hand over).
    */
   async function record(finish: Finish, { maxWaitMs, result }: { maxWaitMs?: number; result?: string } = {}): Promise<Finished> {
     tell(finish.id, () => deps.waiters?.recording(finish.id));
@@ -156,6 +165,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       done = await whileUnavailable(() => finishes.submit(finish), {
         ...(maxWaitMs === undefined ? {} : { maxWaitMs }),
         signal: abandoning.signal,
+        conflicts: CONFLICT_RETRIES,
         log: { logger: log, message: 'database unavailable; retrying the recording until it is back', fields: { requestId: finish.id } },
       });
       return done;
@@ -196,11 +206,19 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     deps.metrics.upstreamDuration.observe({ mode: target.mode, outcome: result }, durationMs / 1000);
     try {
       if (outcome.ok) {
-        const { usage } = outcome;
-        const done = await record(
-          { kind: 'completed', id: started.id, attempt: started.attempt, laneId: started.laneId, result: outcome.result, usage, upstreamStatus: outcome.upstreamStatus, durationMs },
-          { result: outcome.result },
-        );
+        const { usage, upstreamStatus } = outcome;
+        let done: Finished;
+        try {
+          done = await record(
+            { kind: 'completed', id: started.id, attempt: started.attempt, laneId: started.laneId, result: outcome.result, usage, upstreamStatus, durationMs },
+            { result: outcome.result },
+          );
+        } catch (error) {
+          if (isDatabaseUnavailable(error) || abandoning.signal.aborted) throw error;
+          log.error({ requestId: started.id, err: errorSummary(error) }, "could not store the provider's answer; recording the attempt as failed instead");
+          const detail = "the provider's answer could not be stored";
+          return (await fail(started, { code: 'upstream_invalid_response', detail, upstreamStatus, durationMs }))?.retryInMs;
+        }
         if (done) {
           // gateway_tokens_total: a completion's usage, by its lane.
           const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
@@ -213,9 +231,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
         return (await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs }))?.retryInMs;
       }
     } catch (error) {
-      // Abandoned at shutdown, or a failure that no retry mends: the attempt stays running in the
-      // database, and the sweep recovers it as worker_lost.
-      log.error({ requestId: started.id, err: errorSummary(error) }, 'could not record an attempt');
+      // The attempt stays running in the database. Abandoned at shutdown, it is this worker's
+      // last: the sweep of another records it as worker_lost once this one's heartbeat is gone.
+      // Otherwise (a failure that no retry mends, even recorded without a result) this worker
+      // vouches for it while it lives: its request ends at its deadline.
+      const fate = abandoning.signal.aborted
+        ? 'recording given up at shutdown; the attempt stays running until a sweep records it as worker_lost'
+        : "could not record an attempt; it stays running until its request's deadline, or a sweep after this worker has stopped";
+      log.error({ requestId: started.id, attempt: started.attempt, err: errorSummary(error) }, fate);
     }
     return undefined;
   }
