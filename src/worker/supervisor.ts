@@ -66,6 +66,8 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
   let current: { runner: Runner; poolId: string; startedAt: number } | undefined;
   const restartDelay = new Backoff(RESTART_MIN_MS, RESTART_MAX_MS);
   let restartTimer: NodeJS.Timeout | undefined;
+  // A restart under way (launch() is waiting in graphile-worker's run()): stop() awaits it.
+  let launching: Promise<void> | undefined;
 
   const launch = async (): Promise<void> => {
     const events: WorkerEvents = new EventEmitter();
@@ -79,6 +81,16 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
     const runner = await run({ ...runnerOptions(deps), events });
     if (!poolId) throw new Error('graphile-worker started without announcing its pool');
     const id = poolId;
+    if (stopping) {
+      // stop() came while the pool was starting, and waits for this: the pool never takes over.
+      await runner.stop().catch((error: unknown) => {
+        log.warn({ poolId: id, err: errorSummary(error) }, 'worker pool started during shutdown did not stop cleanly');
+      });
+      await release(deps.db, [id]).catch((error: unknown) => {
+        log.warn({ poolId: id, err: errorSummary(error) }, 'could not release the jobs of a pool started during shutdown; the sweep will');
+      });
+      return;
+    }
     current = { runner, poolId: id, startedAt: Date.now() };
     await beat(deps.db, [id, dispatcher.workerId]).catch((error) =>
       log.warn({ err: errorSummary(error) }, 'first heartbeat failed'),
@@ -108,10 +120,15 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
     if (stopping) return;
     const delay = restartDelay.next();
     restartTimer = setTimeout(() => {
-      launch().catch((error: unknown) => {
-        log.warn({ err: errorSummary(error), retryInMs: restartDelay.upcoming }, 'worker pool could not start');
-        scheduleRestart();
-      });
+      const launched: Promise<void> = launch()
+        .catch((error: unknown) => {
+          log.warn({ err: errorSummary(error), retryInMs: restartDelay.upcoming }, 'worker pool could not start');
+          scheduleRestart();
+        })
+        .finally(() => {
+          launching = undefined;
+        });
+      launching = launched;
     }, delay);
   };
 
@@ -191,7 +208,9 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
       // Webhook tries alike: given the grace time, then aborted and retried at once.
       const triesLanded = deps.deliverer.stop();
       // The heartbeat goes on meanwhile: for the pool until it has stopped (its jobs are done),
-      // and for the dispatcher until every call and try has landed.
+      // and for the dispatcher until every call and try has landed. A pool being started by a
+      // restart stops itself once it is up (launch), or is the current one by then.
+      await launching;
       const pool = current;
       if (pool) {
         await pool.runner.stop().catch((error: unknown) => {

@@ -249,6 +249,52 @@ t.test('stop() waits for a sweep under way: one held by a lock ends before stop(
   t.notOk(logs.some((line) => line.includes('sweep failed')), 'and the sweep ended without failing');
 });
 
+t.test('stop() during the restart of a pool that stopped on its own waits for the new pool, which never takes over', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const { service, logs } = await startWorkerIn(t, gateway);
+  // Recording the end of the first job fails, once: the pool stops on its own.
+  await gateway.pool.query(`
+    create sequence public.refusals;
+    create function public.refuse_once() returns trigger language plpgsql as $$
+    begin
+      if nextval('public.refusals') = 1 then raise exception 'simulated failure to release a job'; end if;
+      return old;
+    end $$;
+    create trigger refuse_once before delete on graphile_worker._private_jobs
+      for each row execute function public.refuse_once();`);
+  // The restart's run() reads graphile_worker.migrations: it waits while this lock is held.
+  const locker = await gateway.pool.connect();
+  await locker.query('begin');
+  await locker.query('lock table graphile_worker.migrations in access exclusive mode');
+
+  await clientFor(gateway.url, await gateway.createKey()).post({ model: 'test-echo', messages: userMessage() });
+  await until(async () => {
+    const { rows } = await gateway.pool.query(
+      `select from pg_stat_activity where application_name = 'gateway-worker' and wait_event_type = 'Lock' and query like '%.migrations%'`,
+    );
+    return rows.length > 0;
+  }, 'the restart waiting for the lock', 10_000);
+  t.ok(logs.some((line) => /worker pool (stopping|stopped) on its own/.test(line)), 'the pool stopped on its own');
+  const startedBefore = logs.filter((line) => line.includes('worker pool started')).length;
+
+  let stopped = false;
+  const stopping = service.stop().then(() => {
+    stopped = true;
+  });
+  await sleep(1_500);
+  t.notOk(stopped, 'stop() has not resolved while the new pool is starting');
+  await locker.query('commit');
+  locker.release();
+  await stopping;
+
+  const heartbeats = async () => (await gateway.pool.query(`select id from gateway.worker_pools`)).rows;
+  t.same(await heartbeats(), [], 'no heartbeat row is left when stop() resolves');
+  await sleep(1_000);
+  t.equal(logs.filter((line) => line.includes('worker pool started')).length, startedBefore, 'the new pool never took over');
+  t.same(await heartbeats(), [], 'nor is one written since');
+  t.same((await lockedJobs(gateway)).filter((job) => job.locked_by !== null), [], 'no job is held');
+});
+
 t.test('a worker is found dead when its heartbeat reaches WORKER_DEAD_AFTER_MS, not at the next periodic sweep, with its attempt started after that heartbeat', async (t) => {
   // Dead after 60 s: heartbeats and periodic sweeps every 12 s.
   const gateway = await startTestGateway(t, { role: 'api', env: { WORKER_DEAD_AFTER_MS: '60000' } });
