@@ -51,8 +51,9 @@ export async function useQueue(db: Db, key: QueueKey): Promise<string | undefine
  * while fewer than `max` queues of the mode are for models that `named` does not hold (the
  * models the configuration lists by name): undefined when it would be one too many. One
  * statement (gateway.create_pattern_queue, sql/000021.sql): creations take their turns behind an
- * advisory lock (PATTERN_QUEUES_LOCK), held only while the server runs it, so that the bound holds
- * across processes. A caller looks for the queue with useQueue first.
+ * advisory lock (PATTERN_QUEUES_LOCK), held until the transaction ends, so that the bound holds
+ * across processes. A caller looks for the queue with useQueue first, and creates it in the
+ * transaction that stores its first request (lanes/routing.ts): the lock lasts that insert too.
  */
 export async function createPatternQueue(
   db: Db,

@@ -9,11 +9,18 @@
 // this process routes to is never idle long enough to be pruned (worker/prune.ts). Should one be
 // pruned all the same, the insert finds it gone and the request is routed again (requests/service.ts).
 //
+// A model without a queue gets it from its request: route() answers a QueueCreation, which
+// creates the queue in the transaction that stores the request, so that a request refused there
+// (a nonce replayed, an idempotency key reused) leaves no queue behind, nor a place under
+// MAX_PATTERN_MODELS taken. The first uses of a model in a process wait for the one creating its
+// queue, and then find it.
+//
 // A new model that only a pattern serves costs more: its queue is created under a lock that all
-// processes take in turn, to hold MAX_PATTERN_MODELS. A flood of invented names must not take
-// the pool's connections with it: each process creates one such queue at a time, with a short
-// line behind it (beyond it, a 503 busy), and once the bound is found reached, new names are
-// refused for a second without taking the lock (a queue that exists is still found).
+// processes take in turn, to hold MAX_PATTERN_MODELS, and hold until their transaction ends. A
+// flood of invented names must not take the pool's connections with it: each process creates
+// one such queue at a time, with a short line behind it (beyond it, a 503 busy), and once the
+// bound is found reached, new names are refused for a second without taking the lock (a queue
+// that exists is still found).
 import { LRUCache } from 'lru-cache';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
@@ -37,9 +44,26 @@ const CREATIONS_WAITING = 64;
 type RouterConfig = Pick<Config, 'upstreams' | 'testDelayMaxMs' | 'maxPatternModels' | 'pruneIdleQueuesAfterMs'>;
 
 export interface Routed {
-  queueId: string;
+  /** The queue; undefined when the model has none yet, and `creation` creates it with the request. */
+  queueId: string | undefined;
   /** Prompt tokens estimated from the body, when a deployment has tokens_per_minute; null otherwise. */
   promptTokensEstimate: number | null;
+  creation?: QueueCreation | undefined;
+}
+
+/**
+ * The creation of a queue with the first request stored in it. The other first uses of its model
+ * in this process wait until it is run and has ended, or released: one or the other must follow.
+ */
+export interface QueueCreation {
+  /**
+   * In one transaction, creates the queue (a 400 when MAX_PATTERN_MODELS refuses it) and runs
+   * `store` with its id; commits when `keep` says so of what `store` resolved to, and else rolls
+   * back, queue and all. Resolves to what `store` did; the queue is remembered once committed.
+   */
+  run<T>(store: (tx: Db, queueId: string) => Promise<T>, keep: (stored: T) => boolean): Promise<T>;
+  /** Lets the model's other first uses go on without it (run releases it too). */
+  release(): void;
 }
 
 export interface RoutedBody {
@@ -52,8 +76,10 @@ export class QueueRouter {
   readonly #config: RouterConfig;
   /** The models the upstreams list by name: MAX_PATTERN_MODELS does not count theirs. */
   readonly #named: readonly string[];
-  /** Queue ids by mode and model; concurrent first uses share one read. */
-  readonly #ids: LRUCache<string, Promise<string>>;
+  /** Queue ids by mode and model (undefined: none found); concurrent first uses share one read. */
+  readonly #ids: LRUCache<string, Promise<string | undefined>>;
+  /** The creations handed out, by mode and model: each settles when it has ended. */
+  readonly #creating = new Map<string, Promise<void>>();
   /** Creations of queues for models only a pattern serves: one at a time. */
   readonly #creations = new Line({
     inFlight: 1,
@@ -75,7 +101,10 @@ export class QueueRouter {
     if (config.upstreams.some((upstream) => upstream.limits.tokensPerMinute !== undefined)) loadTokenizer();
   }
 
-  /** The queue of a request of this mode and body; a 400 naming `model` when no upstream serves it. */
+  /**
+   * The queue of a request of this mode and body, or its creation when it has none yet (to be run
+   * or released); a 400 naming `model` when no upstream serves it.
+   */
   async route(mode: KeyMode, body: RoutedBody): Promise<Routed> {
     if (mode === 'test') {
       const behaviour = testBehaviour(body.model);
@@ -86,7 +115,7 @@ export class QueueRouter {
           'model',
         );
       }
-      return { queueId: await this.#queueId({ mode, model: ANY_MODEL }), promptTokensEstimate: null };
+      return { ...(await this.#queue({ mode, model: ANY_MODEL })), promptTokensEstimate: null };
     }
     const deployments = deploymentsOf(this.#config.upstreams, body.model);
     if (deployments.length === 0) {
@@ -105,8 +134,7 @@ export class QueueRouter {
       );
     }
     const named = deployments.some((upstream) => upstream.models.includes(body.model));
-    const queueId = await this.#queueId({ mode, model: body.model }, named);
-    return { queueId, promptTokensEstimate: estimate };
+    return { ...(await this.#queue({ mode, model: body.model }, named)), promptTokensEstimate: estimate };
   }
 
   /** Forgets the queue of this mode and model (it was found pruned): the next route looks it up. */
@@ -119,36 +147,106 @@ export class QueueRouter {
     return this.#ids.size;
   }
 
-  /** The queue's id; `named`: an upstream lists the model by name (never refused). */
-  #queueId(key: QueueKey, named = true): Promise<string> {
+  /** The queue, or its creation; `named`: an upstream lists the model by name (never refused). */
+  async #queue(key: QueueKey, named = true): Promise<Pick<Routed, 'queueId' | 'creation'>> {
     const name = keyOf(key);
+    for (;;) {
+      const creating = this.#creating.get(name);
+      if (creating !== undefined) {
+        await creating;
+        continue;
+      }
+      const queueId = await this.#lookUp(name, key);
+      if (queueId !== undefined) return { queueId };
+      // Another first use may have been handed the creation while this one looked.
+      if (this.#creating.has(name)) continue;
+      if (!named && performance.now() < this.#boundReachedUntil) throw this.#boundReached(key);
+      return { queueId: undefined, creation: this.#creation(name, key, named) };
+    }
+  }
+
+  /** The queue's id, its use recorded; undefined when it has no row. */
+  #lookUp(name: string, key: QueueKey): Promise<string | undefined> {
     let id = this.#ids.get(name);
     if (id === undefined) {
-      id = named ? ensureQueue(this.#db, key) : this.#patternQueue(key);
+      id = useQueue(this.#db, key);
       this.#ids.set(name, id);
-      // A failed read or a refusal is not remembered: the next request asks again.
+      // Neither a failed read nor a queue not found is remembered: the next request asks again.
       const remembered = id;
-      id.catch(() => {
+      const forget = () => {
         if (this.#ids.peek(name) === remembered) this.#ids.delete(name);
-      });
+      };
+      id.then((found) => found === undefined && forget(), forget);
     }
     return id;
   }
 
-  async #patternQueue(key: QueueKey): Promise<string> {
-    const found = await useQueue(this.#db, key);
-    if (found !== undefined) return found;
-    const max = this.#config.maxPatternModels;
-    if (performance.now() >= this.#boundReachedUntil) {
-      const id = await this.#creations.run(() => createPatternQueue(this.#db, key, { max, named: this.#named }));
-      if (id !== undefined) return id;
-      this.#boundReachedUntil = performance.now() + BOUND_REACHED_MS;
+  #creation(name: string, key: QueueKey, named: boolean): QueueCreation {
+    let end!: () => void;
+    const ended = new Promise<void>((resolve) => (end = resolve));
+    this.#creating.set(name, ended);
+    const release = () => {
+      if (this.#creating.get(name) === ended) this.#creating.delete(name);
+      end();
+    };
+    const run = async <T>(store: (tx: Db, queueId: string) => Promise<T>, keep: (stored: T) => boolean): Promise<T> => {
+      try {
+        const created = named
+          ? await this.#createIn(store, keep, (tx) => ensureQueue(tx, key))
+          : await this.#creations.run(() => this.#createIn(store, keep, (tx) => this.#createPatternQueue(tx, key)));
+        if (created.committed) this.#ids.set(name, Promise.resolve(created.queueId));
+        return created.stored;
+      } finally {
+        release();
+      }
+    };
+    return { run, release };
+  }
+
+  async #createIn<T>(
+    store: (tx: Db, queueId: string) => Promise<T>,
+    keep: (stored: T) => boolean,
+    create: (tx: Db) => Promise<string>,
+  ): Promise<{ stored: T; queueId: string; committed: boolean }> {
+    try {
+      return await this.#db.transaction().execute(async (tx) => {
+        const queueId = await create(tx);
+        const stored = await store(tx, queueId);
+        if (!keep(stored)) throw new RolledBack({ stored, queueId, committed: false });
+        return { stored, queueId, committed: true };
+      });
+    } catch (error) {
+      if (error instanceof RolledBack) return error.outcome as { stored: T; queueId: string; committed: boolean };
+      throw error;
     }
-    throw invalidRequest(
+  }
+
+  /**
+   * Creates the queue of a model only a pattern serves in `tx`; a 400 when it would be one too
+   * many. The lock that creations take in turn is held until `tx` ends: another process counts
+   * the queue only once it is committed.
+   */
+  async #createPatternQueue(tx: Db, key: QueueKey): Promise<string> {
+    const id = await createPatternQueue(tx, key, { max: this.#config.maxPatternModels, named: this.#named });
+    if (id !== undefined) return id;
+    this.#boundReachedUntil = performance.now() + BOUND_REACHED_MS;
+    throw this.#boundReached(key);
+  }
+
+  #boundReached(key: QueueKey) {
+    return invalidRequest(
       'invalid_parameter',
-      `Invalid 'model': the gateway already serves ${max} models that no upstream lists by name, as many as it may; '${key.model}' would be one more.`,
+      `Invalid 'model': the gateway already serves ${this.#config.maxPatternModels} models that no upstream lists by name, as many as it may; '${key.model}' would be one more.`,
       'model',
     );
+  }
+}
+
+/** Thrown to roll a creation's transaction back, with what it stored (nothing, once rolled back). */
+class RolledBack {
+  readonly outcome: unknown;
+  constructor(outcome: unknown) {
+    this.outcome = outcome;
   }
 }
 

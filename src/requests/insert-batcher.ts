@@ -49,8 +49,12 @@ export class InsertBatcher {
    */
   readonly #fallbackDue = new Map<string, number>();
 
+  /** How long the dispatch jobs of the requests wait before they are due (0: not at all). */
+  readonly #delayMs: number;
+
   constructor(db: Db, options: InsertBatcherOptions = {}) {
     const delayMs = options.dispatchDelayMs ?? 0;
+    this.#delayMs = delayMs;
     const batcher = (maxInFlight: number) =>
       new Batcher<Item, InsertResult>((items) => this.#write(db, items, delayMs), {
         maxInFlight,
@@ -74,6 +78,16 @@ export class InsertBatcher {
   insert(request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
     const batcher = Buffer.byteLength(request.body) > LARGE_BODY_BYTES ? this.#large : this.#small;
     return batcher.submit({ request, nonce });
+  }
+
+  /**
+   * Stores one request alone, in the caller's transaction `tx` (the one creating its queue:
+   * lanes/routing.ts), its dispatch as the groups' is. Its fallback job is not remembered: the
+   * transaction may yet roll back, and a later group adds the queue's again, keeping its time.
+   */
+  async insertIn(tx: Db, request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
+    const { results } = await insertRequests(tx, [{ request, nonce }], { delayMs: this.#delayMs });
+    return results[0]!;
   }
 
   #write(db: Db, items: Item[], delayMs: number): Promise<InsertResult[]> {

@@ -11,7 +11,7 @@ import type { Auth } from '../keys/auth.ts';
 import type { Metrics } from '../metrics.ts';
 import { replayedRequest, type VerifiedSignature } from '../keys/signatures.ts';
 import type { StartReservation } from '../lanes/repository.ts';
-import type { QueueRouter, Routed } from '../lanes/routing.ts';
+import type { QueueCreation, QueueRouter, Routed } from '../lanes/routing.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
 import type { Intake } from './intake.ts';
 import { cancelRequest } from './cancel-repository.ts';
@@ -86,12 +86,14 @@ export async function submit(
   let storedAsOwn = false;
   let watch: Watch | undefined;
   let start: StartReservation | undefined;
+  let routed: Routed | undefined;
   try {
-    const routed = await deps.queues.route(auth.mode, submission);
+    routed = await deps.queues.route(auth.mode, submission);
     // Watching before the row exists means its completion cannot slip past us.
     watch = submission.wait ? deps.waiters.watch(id) : undefined;
-    // Someone waits for the answer: the accept may start the call, saving the claim's round trip.
-    start = submission.wait ? deps.reserveStart?.(routed.queueId) : undefined;
+    // Someone waits for the answer: the accept may start the call, saving the claim's round trip
+    // (not in a queue created with it: no lane of it is known yet).
+    start = submission.wait && routed.queueId !== undefined ? deps.reserveStart?.(routed.queueId) : undefined;
     const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature), start);
     storedAsOwn = !stored.replayed;
     let { answer } = stored;
@@ -111,6 +113,7 @@ export async function submit(
     watch = undefined; // the wait closes it
     return waiting;
   } finally {
+    routed?.creation?.release();
     start?.release();
     watch?.close();
     // MAX_UNFINISHED_PER_PROJECT counts only requests stored as their own: not a replay, nor
@@ -137,54 +140,85 @@ async function store(
     body: submission.body,
     body_sha256: submission.bodySha256,
     idempotency_key: submission.idempotencyKey ?? null,
-    queue_id: routed.queueId,
+    queue_id: routed.queueId ?? '',
     prompt_tokens_estimate: routed.promptTokensEstimate,
     // A key's own deadline can only shorten REQUEST_DEADLINE.
     deadline_ms: Math.min(auth.requestDeadlineMs ?? Infinity, deps.config.requestDeadlineMs),
     start: start && { laneId: start.laneId, workerId: start.workerId },
   };
+  // The nonce until it is stored: an insert that finds the idempotency key taken stores it, unless
+  // it was creating the request's queue (its transaction rolled back).
+  let unstored = nonce;
   // Twice at most: the request holding the idempotency key may be deleted (retention) between
   // the insert that found it and the read that looks for it.
   for (let tries = 1; ; tries++) {
-    const inserted = await insertRouted(deps, auth, submission, request, tries === 1 ? nonce : undefined);
+    // A creation runs once: a second try routes again.
+    if (tries > 1 && routed.creation) routed = await deps.queues.route(auth.mode, submission);
+    const inserted = await insertRouted(deps, auth, submission, request, routed, unstored);
     if (inserted.kind === 'replayed_nonce') throw replayedRequest();
     if (inserted.kind === 'inserted') {
       deps.metrics.accepted.inc({ mode: auth.mode });
       return { answer: inserted.answer, replayed: false, queueId: request.queue_id };
     }
+    if (!inserted.rolledBack) unstored = undefined;
 
     // The key is taken: by the time the insert gave way, the request holding it was committed.
     const existing = await findAnswerByIdempotencyKey(deps.db, request, request.idempotency_key!);
-    if (existing && existing.body_sha256.equals(submission.bodySha256)) return { answer: existing, replayed: true, queueId: request.queue_id };
+    if (existing && existing.body_sha256.equals(submission.bodySha256)) {
+      // A replay uses its nonce up, as a new request does.
+      if (unstored && !(await insertNonce(deps.db, unstored))) throw replayedRequest();
+      return { answer: existing, replayed: true, queueId: request.queue_id };
+    }
     if (existing || tries >= 2) {
       // A refused request stores nothing: not even its nonce.
-      if (nonce) await deleteNonce(deps.db, nonce);
+      if (nonce && !unstored) await deleteNonce(deps.db, nonce);
       if (existing) throw idempotencyKeyReused();
       throw new Error('the request holding this idempotency key kept disappearing');
     }
   }
 }
 
+/** An insert's result; `rolledBack`: it created the request's queue, and nothing of it was stored. */
+type RoutedInsert = InsertResult & { rolledBack?: boolean };
+
 /**
- * Inserts the request. A queue is pruned only once idle for a while, and a process looks up the
- * queues it routes to more often than that; but should the request's queue have been pruned
- * since all the same, the insert stored nothing, and the request is routed again (a new queue).
+ * Inserts the request: with the others of the moment in the queue routed to, or, for a model
+ * without a queue yet, in the transaction that creates it, which commits only if the request is
+ * stored. A queue is pruned only once idle for a while, and a process looks up the queues it
+ * routes to more often than that; but should the request's queue have been pruned since all the
+ * same, the insert stored nothing, and the request is routed again (a new queue).
  */
 async function insertRouted(
   deps: RequestDeps,
   auth: Auth,
   submission: Submission,
   request: NewRequest,
+  routed: Routed,
   nonce: Nonce | undefined,
-): Promise<InsertResult> {
+): Promise<RoutedInsert> {
+  if (routed.creation) return insertCreating(deps, routed.creation, request, nonce);
   try {
+    request.queue_id = routed.queueId!;
     return await deps.inserts.insert(request, nonce);
   } catch (error) {
     if (!isQueueGone(error)) throw error;
     deps.queues.forget(auth.mode, submission.model);
-    request.queue_id = (await deps.queues.route(auth.mode, submission)).queueId;
+    const again = await deps.queues.route(auth.mode, submission);
+    if (again.creation) return insertCreating(deps, again.creation, request, nonce);
+    request.queue_id = again.queueId!;
     return deps.inserts.insert(request, nonce);
   }
+}
+
+async function insertCreating(deps: RequestDeps, creation: QueueCreation, request: NewRequest, nonce: Nonce | undefined): Promise<RoutedInsert> {
+  const inserted = await creation.run(
+    (tx, queueId) => {
+      request.queue_id = queueId;
+      return deps.inserts.insertIn(tx, request, nonce);
+    },
+    (result) => result.kind === 'inserted',
+  );
+  return inserted.kind === 'inserted' ? inserted : { ...inserted, rolledBack: true };
 }
 
 function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | undefined {

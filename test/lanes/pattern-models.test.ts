@@ -114,7 +114,12 @@ t.test('a pruned model frees its place under MAX_PATTERN_MODELS', async (t) => {
 t.test('an API process remembers at most its bound of queues, and looks one up again after a sixth of PRUNE_IDLE_QUEUES_AFTER', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api', env: { PRUNE_IDLE_QUEUES_AFTER: '3s' } });
   const router = new QueueRouter(gateway.db, gateway.config, { remembered: 3 });
-  const route = (model: string) => router.route('live', { model, messages: userMessage() });
+  const route = async (model: string) => {
+    const routed = await router.route('live', { model, messages: userMessage() });
+    // A model's first route hands out its queue's creation, here run with no request.
+    if (routed.creation) return { queueId: await routed.creation.run(async (_tx, queueId) => queueId, () => true) };
+    return routed;
+  };
   const usedAt = async (model: string): Promise<Date> => {
     const { rows } = await gateway.pool.query('select used_at from gateway.queues where model = $1', [model]);
     return rows[0].used_at;

@@ -2,8 +2,9 @@
 // different body is a 422 that stores nothing, and concurrent first uses make one request.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
-import { clientFor, userMessage } from '../helpers/http.ts';
+import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { countRows, dispatchJobs, waitForRow } from '../helpers/rows.ts';
+import { newNonce, signature } from '../helpers/signing.ts';
 import { startFakeUpstream } from '../helpers/upstream.ts';
 
 t.test('the same key with the same body is the same request, whatever the key order and wait', async (t) => {
@@ -78,6 +79,53 @@ t.test('the same key with a different body is 422 and stores nothing', async (t)
     });
   }
   t.equal(await countRows(gateway.db, 'requests'), 1);
+});
+
+t.test('a refused request naming a model without a queue leaves no queue, nor a place under MAX_PATTERN_MODELS taken', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { MAX_PATTERN_MODELS: '2' } });
+  const key = await gateway.createKey({ mode: 'live' });
+  const client = clientFor(gateway.url, key);
+  const stored = async () => {
+    const { rows } = await gateway.pool.query(`
+      select (select count(*)::int from gateway.requests) as requests,
+             (select count(*)::int from gateway.signature_nonces) as nonces,
+             (select array_agg(model order by model) from gateway.queues) as queues
+    `);
+    return rows[0];
+  };
+  t.equal((await client.post({ model: 'gpt-a', messages: userMessage(), idempotency_key: 'k' })).status, 202);
+
+  const reused = await client.post({ model: 'gpt-unused', messages: userMessage(), idempotency_key: 'k' });
+  t.equal(reused.status, 422, 'the key reused with another model');
+  t.same(await stored(), { requests: 1, nonces: 1, queues: ['gpt-a'] }, 'no queue, nor nonce, for it');
+
+  const path = '/v1/chat/completions';
+  const nonce = newNonce();
+  const signed = (body: string) => ({ path, body, key, headers: { 'svc-signature': signature({ secret: key.signing_secret, method: 'POST', path, body, nonce }) } });
+  t.equal((await send(gateway.url, signed(JSON.stringify({ model: 'gpt-a', messages: userMessage('two') })))).status, 202);
+  const replayed = await send(gateway.url, signed(JSON.stringify({ model: 'gpt-other', messages: userMessage() })));
+  t.equal(replayed.status, 401);
+  t.equal(replayed.body.error.code, 'replayed_request', 'its nonce used before, with another model');
+  t.same(await stored(), { requests: 2, nonces: 2, queues: ['gpt-a'] }, 'no queue for it');
+
+  t.equal((await client.post({ model: 'gpt-b', messages: userMessage() })).status, 202, 'a second model has its place');
+  const burst = await Promise.all(Array.from({ length: 50 }, () => client.post({ model: 'gpt-c', messages: userMessage() })));
+  t.same(new Set(burst.map((answer) => answer.status)), new Set([400]), 'a third is beyond the bound');
+  const again = await Promise.all(Array.from({ length: 50 }, () => client.post({ model: 'gpt-b', messages: userMessage() })));
+  t.same(new Set(again.map((answer) => answer.status)), new Set([202]));
+  t.same(await stored(), { requests: 53, nonces: 53, queues: ['gpt-a', 'gpt-b'] });
+});
+
+t.test('concurrent first uses of a model make one queue, and each its request in it', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const answers = await Promise.all(Array.from({ length: 100 }, (_, i) => client.post({ model: `gpt-${i % 2}`, messages: userMessage() })));
+  t.same(new Set(answers.map((answer) => answer.status)), new Set([202]));
+  const { rows } = await gateway.pool.query(
+    'select queues.model, count(*)::int as requests from gateway.requests join gateway.queues on queues.id = requests.queue_id group by 1 order by 1',
+  );
+  t.same(rows, [{ model: 'gpt-0', requests: 50 }, { model: 'gpt-1', requests: 50 }]);
+  t.equal((await gateway.pool.query('select count(*)::int as n from gateway.queues')).rows[0].n, 2, 'two queues');
 });
 
 t.test('concurrent first uses of one key create exactly one request, and all callers get its id', async (t) => {
