@@ -3,6 +3,7 @@
 import type { Config } from '../config.ts';
 import { TERMINAL_STATUSES, type RequestStatus } from '../db/database.ts';
 import { isDatabaseUnavailable, type Db } from '../db/pool.ts';
+import { abortAfter } from '../grace.ts';
 import { idempotencyKeyReused, requestAlreadyFinished, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce, insertNonce, type Nonce } from '../keys/repository.ts';
@@ -103,7 +104,7 @@ export async function submit(
       stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature), start);
     }
     storedAsOwn = !stored.replayed;
-    let { answer } = stored;
+    let answer: Answer = stored.answer;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
     if (!stored.replayed) {
       if (start && answer.status === 'processing') start.start(id, submission.body);
@@ -113,7 +114,8 @@ export async function submit(
       // An idempotent replay: watch the existing request instead, then read it again.
       watch.close();
       watch = deps.waiters.watch(answer.id);
-      answer = (await deps.reads.submit(answer.id)) ?? answer;
+      const read = await readWithin(deps, answer.id, deadline - Date.now());
+      if (read !== undefined && read !== TIMED_OUT) answer = read;
     }
     if (!watch || isTerminal(answer.status)) return outcomeOf(answer, stored.replayed, submission.wait);
     const waiting = startWaiting(deps, watch, answer, stored.replayed, deadline);
@@ -260,7 +262,7 @@ function nonceOf(auth: Auth, signature: VerifiedSignature | undefined): Nonce | 
   return signature && { api_key_id: auth.keyId, nonce: signature.nonce };
 }
 
-function startWaiting(deps: RequestDeps, watch: Watch, answer: RequestAnswer, replayed: boolean, deadline: number): Waiting {
+function startWaiting(deps: RequestDeps, watch: Watch, answer: Answer, replayed: boolean, deadline: number): Waiting {
   return {
     kind: 'waiting',
     outcome: waitForOutcome(deps, watch, answerOf(answer), replayed, deadline),
@@ -299,10 +301,12 @@ async function waitForTerminal(deps: RequestDeps, watch: Watch, answer: Answer, 
     if (event === 'completed') return completedWith(current, watch.result!);
     // A worker of this process hands its result over a moment after its NOTIFY may have woken
     // us: whichever of that and the read comes first answers.
-    const read = readRow(deps, watch.id);
+    const read = readWithin(deps, watch.id, deadline - Date.now());
     read.catch(() => {}); // its failure is thrown below if it comes first
     const row = await Promise.race([read, watch.handedOver().then((): typeof HANDED_OVER => HANDED_OVER)]);
     if (row === HANDED_OVER) return completedWith(current, watch.result!);
+    // The read outlasted the wait (a connection gone silent): the waiter is answered with what is known.
+    if (row === TIMED_OUT) break;
     if (row) current = row;
     if (event !== 'changed') break;
   }
@@ -310,6 +314,23 @@ async function waitForTerminal(deps: RequestDeps, watch: Watch, answer: Answer, 
 }
 
 const completedWith = (answer: Answer, result: string): Answer => ({ ...answer, status: 'completed', result });
+
+const TIMED_OUT = Symbol('timed out');
+
+/**
+ * The request's row, as readRow gives it, or TIMED_OUT once `ms` (and the read's grace) have
+ * passed without it: a pooled connection that went silent must not hold a waiter past its wait.
+ */
+async function readWithin(deps: RequestDeps, id: string, ms: number): Promise<Answer | undefined | typeof TIMED_OUT> {
+  const timer = new AbortController();
+  const stop = abortAfter(timer, Math.max(0, ms));
+  const timedOut = new Promise<typeof TIMED_OUT>((resolve) => timer.signal.addEventListener('abort', () => resolve(TIMED_OUT), { once: true }));
+  try {
+    return await Promise.race([readRow(deps, id), timedOut]);
+  } finally {
+    stop();
+  }
+}
 
 async function readRow(deps: RequestDeps, id: string): Promise<Answer | undefined> {
   try {

@@ -1,13 +1,18 @@
 // wait=true across processes and connections: completions reach waiters through NOTIFY, a
-// waiter whose client hangs up is dropped, and a shutdown answers every waiter at once.
+// waiter whose client hangs up is dropped, a shutdown answers every waiter at once, and a read
+// that a silent database connection holds does not hold the waiter past its wait.
 import http from 'node:http';
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { Listener } from '../../src/db/listener.ts';
 import { createLogger } from '../../src/logger.ts';
 import { Waiters } from '../../src/requests/waiters.ts';
+import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { signature } from '../helpers/signing.ts';
+import { startTcpProxy } from '../helpers/tcp-proxy.ts';
+import { until } from '../helpers/wait.ts';
 
 t.test('a waiter in an API process hears a completion made by a worker in another process', async (t) => {
   const api = await startTestGateway(t, { role: 'api', env: { WAIT_TIMEOUT_MS: '10000' } });
@@ -172,4 +177,25 @@ t.test('a wake-up for a request whose outcome this process is recording waits fo
   t.equal(await other.next(1_000), 'changed', "another request's wake-up is not held");
   other.close();
   t.equal(waiters.size, 0);
+});
+
+t.test('a waiter whose reads meet a silent database connection is answered at WAIT_TIMEOUT_MS, with what is known', async (t) => {
+  const databaseUrl = await createTestDatabase(t);
+  const proxy = await startTcpProxy(t, databaseUrl);
+  // No worker: the request is still queued when its wait ends.
+  const api = await startTestGateway(t, { role: 'api', databaseUrl: proxy.url, env: { WAIT_TIMEOUT_MS: '2000' } });
+  const client = clientFor(api.url, await api.createKey());
+  const sentAt = Date.now();
+  const waiting = client.post({ model: 'test-echo', messages: userMessage(), wait: true });
+  // The request stored (it waits now), its process's pooled connections go silent: the read at
+  // the wait's end gets no answer.
+  await until(async () => (await api.pool.query(`select count(*)::int as n from gateway.requests`)).rows[0].n === 1, 'the request to be stored');
+  t.ok(proxy.blackHole('gateway-api') >= 1, 'the API pool\'s connections silenced');
+  const answer = await Promise.race([waiting, sleep(10_000).then(() => undefined)]);
+  const ms = Date.now() - sentAt;
+  t.ok(ms < 3_500, `answered at the wait's end, not held by the read (${ms} ms)`);
+  t.equal(answer?.status, 202, 'the acknowledgement');
+  t.equal(answer?.body.status, 'queued', 'with the status last known');
+  proxy.cut();
+  await waiting.catch(() => {});
 });
