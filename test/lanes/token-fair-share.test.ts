@@ -2,7 +2,8 @@
 // requests of two projects planted with known token estimates, gateway.claim_queue called again
 // and again with the lane's allowance set before each call (and no time passing for it), and the
 // requests each call started read back. Projects share the lane's tokens, not its turns; a call
-// spends at most a minute of tokens_per_minute. A lane without the limit keeps its turns.
+// spends at most a minute of tokens_per_minute. A lane without the limit keeps its turns. Either
+// way, only the projects with a request due share a claim.
 import { sql } from 'kysely';
 import t, { type Test } from 'tap';
 import { createDb, createPool, type Db } from '../../src/db/pool.ts';
@@ -33,6 +34,8 @@ interface Lane {
   startedBy(ids: readonly string[]): Promise<Record<Project, { requests: number; tokens: number }>>;
   /** Requests of the project still waiting. */
   waiting(project: Project): Promise<number>;
+  /** Has the project's waiting requests retried in a minute (not due until then). */
+  backOff(project: Project): Promise<void>;
   /** The projects the lane keeps a fair share row for. */
   remembered(): Promise<string[]>;
 }
@@ -88,6 +91,14 @@ async function lane(t: Test): Promise<Lane> {
         [project],
       );
       return rows[0].count;
+    },
+    async backOff(project) {
+      await pool.query(
+        `update gateway.requests set status = 'retrying', attempts = 1, next_attempt_at = now() + interval '1 minute'
+         from gateway.projects
+         where projects.id = requests.project_id and projects.name = $1 and requests.status = 'queued'`,
+        [project],
+      );
     },
     async remembered() {
       const { rows } = await pool.query<{ name: string }>(
@@ -217,4 +228,20 @@ t.test('a lane without tokens_per_minute keeps its turns: one request each, what
   t.same([large.requests, small.requests], [3, 3], 'three each');
   const { rows } = await sql<{ count: number }>`select count(*)::int as count from gateway.lane_fair_shares`.execute(fair.db);
   t.equal(rows[0]!.count, 0, 'and keeps no token shares');
+});
+
+t.test('projects whose requests all wait for a retry later take no share of a claim, with tokens_per_minute or without', async (t) => {
+  for (const limits of [METERED, NO_LIMITS]) {
+    const fair = await lane(t);
+    await fair.plant('large', 5, LARGE);
+    await fair.plant('other', 5, SMALL);
+    await fair.backOff('large');
+    await fair.backOff('other');
+    await fair.plant('small', 20, SMALL);
+    // Shared among three projects, 9 would be 3 each.
+    const claim = await fair.claim(FULL, limits, 9);
+    const { large, small, other } = await fair.startedBy(ids(claim));
+    t.same([small.requests, large.requests, other.requests], [9, 0, 0],
+      `${limits.tokensPerMinute ? 'tokens_per_minute' : 'no limit'}: the one project with requests due starts all 9`);
+  }
 });

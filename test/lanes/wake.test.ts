@@ -1,14 +1,16 @@
 // A lane that time alone holds back (its requests_per_minute, a pause, a probe due) has its
 // queue dispatched again, when the time comes, by the worker whose claim found it so; a retry,
 // when it is due, by the worker that recorded it: not only by the dispatch job due then, which a
-// worker fetches on its next poll for jobs.
+// worker fetches on its next poll for jobs. And a queue whose waiting requests ended before that
+// time is dispatched for the next request accepted, not at the time set for the ones that ended.
 import t from 'tap';
+import { ensureLanes } from '../../src/lanes/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
-import { clientFor, userMessage } from '../helpers/http.ts';
+import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { attemptRows, isTerminal, waitForRow } from '../helpers/rows.ts';
-import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
+import { completionAfter, completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
-import { until } from '../helpers/wait.ts';
+import { until, waitFor } from '../helpers/wait.ts';
 
 t.test('a burst on a lane paced by requests_per_minute takes about the time the limit allows, however seldom workers poll for jobs', async (t) => {
   const upstream = await startFakeUpstream(t);
@@ -60,3 +62,48 @@ t.test('a retry is attempted when its backoff is over, however seldom workers po
   const againAfterMs = second!.started_at.getTime() - first!.finished_at!.getTime();
   t.ok(againAfterMs < 3_000, `attempted again ${againAfterMs} ms after the first failed`);
 });
+
+for (const ending of ['cancelled', 'failed for its deadline'] as const) {
+  t.test(`a request accepted after the one waiting was ${ending} starts at once, not when another deployment's pause ends`, async (t) => {
+    // The first deployment takes one call at a time, each 3 s long.
+    const first = await startFakeUpstream(t, completionAfter(3_000));
+    const second = await startFakeUpstream(t);
+    const file = await upstreamsFile(t, [
+      { name: 'first', base_url: first.baseUrl, models: ['gpt-x'], limits: { max_concurrent: 1 } },
+      { name: 'second', base_url: second.baseUrl, models: ['gpt-x'] },
+    ]);
+    // The API and the worker in processes of their own; the rescue of stranded queues looks every second.
+    const env = { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '10000', WORKER_DEAD_AFTER_MS: '2000' };
+    const api = await startTestGateway(t, { role: 'api', env });
+    await startTestGateway(t, { role: 'worker', env, databaseUrl: api.databaseUrl });
+    const key = await api.createKey({ mode: 'live', project: 'p' });
+    const client = clientFor(api.url, key);
+    const ended = ending === 'cancelled' ? client : clientFor(api.url, await api.createKey({ mode: 'live', project: 'p', deadlineMs: 1_000 }));
+    const made = await client.post({ model: 'gpt-x', messages: userMessage('lanes made') });
+    await until(async () => (await client.get(made.body.id)).body.status === 'completed', 'a first request to make the lanes', 8_000);
+    const { rows: queues } = await api.pool.query(`select id from gateway.queues where model = 'gpt-x'`);
+    const queueId = queues[0].id;
+    // The second deployment answered a 429 with retry-after: 3600 a moment ago.
+    const [, secondLane] = await ensureLanes(api.db, { id: queueId, mode: 'live', model: 'gpt-x' }, ['first', 'second']);
+    await api.pool.query(`update gateway.lanes set paused_until = now() + interval '1 hour' where id = $1`, [secondLane]);
+
+    // A request waits for the first deployment's call, and the queue for the second's pause.
+    const running = await client.post({ model: 'gpt-x', messages: userMessage('running') });
+    await until(() => first.calls.length === 2, 'the first deployment\'s call to start');
+    const waiting = await ended.post({ model: 'gpt-x', messages: userMessage('waiting') });
+    const wakeAt = async () => (await api.pool.query(`select wake_at from gateway.queues where id = $1`, [queueId])).rows[0].wake_at as Date | null;
+    await until(async () => ((await wakeAt())?.getTime() ?? 0) > Date.now() + 59 * 60_000, 'the queue to wait for the second\'s pause');
+    if (ending === 'cancelled') {
+      t.equal((await send(api.url, { method: 'POST', path: `/v1/requests/${waiting.body.id}/cancel`, key })).status, 200);
+    }
+    await until(async () => (await client.get(waiting.body.id)).body.status !== 'queued', `the waiting request to be ${ending}`, 3_000);
+    await until(async () => (await client.get(running.body.id)).body.status === 'completed', 'the first deployment\'s call to end', 8_000);
+    t.ok(await waitFor(async () => (await wakeAt()) === null, 3_000), 'the dispatch at the call\'s end found nothing due, and cleared queues.wake_at');
+
+    const accepted = await client.post({ model: 'gpt-x', messages: userMessage('accepted') });
+    t.equal(accepted.status, 202);
+    await until(async () => (await client.get(accepted.body.id)).body.status === 'completed', 'the request accepted to complete', 8_000);
+    t.equal(first.calls.length, 3, 'on the first deployment');
+    t.equal(second.calls.length, 0);
+  });
+}
