@@ -77,12 +77,12 @@ export interface FinishSettings {
  *
  * What the lanes learn: a 429 pauses its lane (pauseMs; in live mode only: test mode's one lane
  * is every project's, and its retry waits on its own); a completion corrects the token
- * allowance from the estimate to the usage, and an attempt without usage gives its estimate
- * back (a call counts at most a minute of its lane's tokens_per_minute either way); the
- * provider's failures open a lane (a streak of them from different requests, or most of a
- * minute's calls), a probe that fails keeps it open for a longer interval, and a call that
- * succeeds closes it. A lane whose health changes gets a dispatch of its queue, now. Test mode's
- * simulator lane never opens.
+ * allowance from the estimate to its usage (one without usage keeps the estimate), and an
+ * attempt that ends without a completion gives its estimate back (a call counts at most a
+ * minute of its lane's tokens_per_minute either way); the provider's failures open a lane (a
+ * streak of them from different requests, or most of a minute's calls), a probe that fails keeps
+ * it open for a longer interval, and a call that succeeds closes it. A lane whose health changes
+ * gets a dispatch of its queue, now. Test mode's simulator lane never opens.
  */
 export async function finishAttempts(
   db: Db,
@@ -166,10 +166,12 @@ const finishStatement = statement(
              -- The provider's failures, in live mode: what a lane's health counts.
              (requests.mode = 'live' and input.fault = 'upstream') as lane_failure,
              -- (estimated as gateway.claim_queue estimates it, and capped as it caps a call's
-             -- tokens at a minute of the lane's: sql/000015.sql). An attempt that ends without
-             -- usage (a failure) gives back what it was charged.
-             case when lanes.tokens_per_minute is not null
-                  then least(coalesce(input.total_tokens, 0), lanes.tokens_per_minute)
+             -- tokens at a minute of the lane's: sql/000015.sql). A completion without usage (a
+             -- provider that leaves it out) keeps what it was charged; an attempt that ends
+             -- without a completion (a failure) gives it back.
+             case when lanes.tokens_per_minute is null then null
+                  when input.kind = 'completed' and input.total_tokens is null then 0
+                  else least(coalesce(input.total_tokens, 0), lanes.tokens_per_minute)
                        - least(coalesce(requests.prompt_tokens_estimate, octet_length(requests.body::text) / 4), lanes.tokens_per_minute)
              end as unestimated_tokens
       from input

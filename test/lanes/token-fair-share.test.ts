@@ -2,8 +2,9 @@
 // requests of two projects planted with known token estimates, gateway.claim_queue called again
 // and again with the lane's allowance set before each call (and no time passing for it), and the
 // requests each call started read back. Projects share the lane's tokens, not its turns; a call
-// spends at most a minute of tokens_per_minute. A lane without the limit keeps its turns. Either
-// way, only the projects with a request due share a claim.
+// spends at most a minute of tokens_per_minute, and a completion without usage keeps its estimate.
+// A lane without the limit keeps its turns. Either way, only the projects with a request due share
+// a claim.
 import { sql } from 'kysely';
 import t, { type Test } from 'tap';
 import { createDb, createPool, type Db } from '../../src/db/pool.ts';
@@ -194,7 +195,36 @@ t.test('a call spends at most a minute of tokens_per_minute, when it starts and 
     [{ kind: 'failed', id: second.started[0]!.id, attempt: 1, code: 'upstream_bad_request', fault: 'request', detail: 'too long', upstreamStatus: 400, durationMs: 1 }],
     { maxAttempts: 5, health: LANE_HEALTH },
   );
-  t.equal(await allowance(), 1, 'a call that ends without usage gives back the 3,000 it was charged, not 10,000');
+  t.equal(await allowance(), 1, 'a call that ends without a completion gives back the 3,000 it was charged, not 10,000');
+});
+
+t.test('a completion without usage keeps the estimate it was charged; an attempt that ends without one gives it back', async (t) => {
+  const fair = await lane(t);
+  await fair.plant('large', 3, 400);
+  const allowance = async () => {
+    const row = await fair.db.selectFrom('lanes').select('token_allowance').where('id', '=', fair.laneId).executeTakeFirstOrThrow();
+    return row.token_allowance!;
+  };
+  const claim = await fair.claim(FULL);
+  t.equal(claim.started.length, 3);
+  t.equal(await allowance(), FULL - 1_200);
+  const [completed, failed, retried] = claim.started;
+  // An OpenAI-compatible server that leaves usage out still served the prompt.
+  await finishAttempts(
+    fair.db,
+    [{ kind: 'completed', id: completed!.id, attempt: 1, laneId: fair.laneId, result: '{}', usage: { prompt: null, completion: null, total: null }, upstreamStatus: 200, durationMs: 1 }],
+    { maxAttempts: 5, health: LANE_HEALTH },
+  );
+  t.equal(await allowance(), FULL - 1_200, 'the completion keeps its 400 tokens');
+  await finishAttempts(
+    fair.db,
+    [
+      { kind: 'failed', id: failed!.id, attempt: 1, code: 'upstream_bad_request', fault: 'request', detail: 'too long', upstreamStatus: 400, durationMs: 1 },
+      { kind: 'retry', id: retried!.id, attempt: 1, code: 'upstream_server_error', fault: 'upstream', detail: '500', upstreamStatus: 500, durationMs: 1, delayMs: 1_000, unchargedDelayMs: 1_000 },
+    ],
+    { maxAttempts: 5, health: LANE_HEALTH },
+  );
+  t.equal(await allowance(), FULL - 400, 'the failure and the retry give back their 400 each');
 });
 
 t.test('the lane remembers only projects ahead of its clock, and forgets one idle for a minute', async (t) => {

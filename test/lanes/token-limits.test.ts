@@ -1,5 +1,5 @@
 // A lane's tokens_per_minute against large prompts: a prompt larger than a minute of every
-// deployment's tokens is refused at intake, and an attempt that ends without usage (the
+// deployment's tokens is refused at intake, and an attempt that ends without a completion (the
 // provider refused the prompt) gives its estimate back, so the lane does not stay shut for the
 // other requests.
 import t from 'tap';
