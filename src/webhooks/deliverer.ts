@@ -25,13 +25,16 @@
 // finds that id gone and hands them back (recoverLost); at shutdown, tries in flight get
 // SHUTDOWN_GRACE_MS, then are aborted and retried at once. A try's end is recorded however long
 // the database stays unavailable, until the shutdown's grace is over: given up, its message
-// would be handed back by the sweep and delivered again.
+// would be handed back by the sweep and delivered again. While the process lives, no sweep takes
+// its tries, so it hands back itself the ones it has lost track of (recoverForgotten): a claim
+// committed whose answer never came (the connection dropped on its way: run again, the claim
+// finds the message delivering, not pending), or a try whose end could not be recorded.
 import { Agent, request } from 'undici';
 import { doubling, jitter } from '../client/backoff.ts';
 import { parseRetryAfter } from '../client/retry.ts';
 import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
-import { errorSummary, type Db } from '../db/pool.ts';
+import { errorSummary, isDatabaseUnavailable, type Db } from '../db/pool.ts';
 import { whileUnavailable } from '../db/retry.ts';
 import { abortAfter, ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
@@ -46,6 +49,7 @@ import {
   claimMessage,
   findMessageEndpoint,
   finishTry,
+  recoverForgottenDeliveries,
   recoverLostDeliveries,
   scheduleWake,
   type Claim,
@@ -98,6 +102,19 @@ const KEEP_ALIVE_MS = 10_000;
 // How long a statement other than a try's end is retried while the database is unavailable
 // (the job fails then, and graphile-worker runs it again later).
 const OUTAGE_PATIENCE_MS = 60_000;
+// A statement that lost to a concurrent transaction is run again this many times at most.
+const CONFLICT_RETRIES = 5;
+// How often this process looks for the tries it has lost track of (recoverForgotten).
+const FORGOTTEN_CHECK_MS = 10_000;
+// A message delivering under this process's id, with no try of it in flight here, is taken for
+// lost track of once its try started (its claim's transaction did) more than WEBHOOK_TIMEOUT_MS
+// and this much ago. The margin leaves alone a claim whose answer is still on its way: a claim
+// runs 30 s at most (statement_timeout, db/pool.ts), and its answer takes far less to arrive.
+// Past WEBHOOK_TIMEOUT_MS, few tries in flight are as old (those whose end waits for the
+// database), and only those are compared with the tries in flight.
+const FORGOTTEN_AFTER_MS = 60_000;
+// Tries handed back per look at most; the next look takes the rest.
+const FORGOTTEN_BATCH = 1_000;
 
 /**
  * How long an endpoint's wake job waits before looking at messages that found no room, the
@@ -144,6 +161,11 @@ type Answer =
       timedOut: boolean | undefined;
     };
 
+/** A try in flight, and its message. */
+interface Try extends InFlight {
+  readonly messageId: string;
+}
+
 /** What this process knows of an endpoint it delivers to. */
 interface EndpointSlot {
   readonly id: string;
@@ -161,8 +183,8 @@ export class WebhookDeliverer {
   readonly #options: WebhookDelivererOptions;
   readonly #log: Logger;
   readonly #agent: Agent;
-  /** Tries in flight: each one's abort controller, and the promise of its end. */
-  readonly #tries = new Map<AbortController, InFlight>();
+  /** Tries in flight: each one's abort controller, the promise of its end, and its message. */
+  readonly #tries = new Map<AbortController, Try>();
   /** The endpoints with tries in flight here, claims under way, or messages waiting for room here. */
   readonly #endpoints = new Map<string, EndpointSlot>();
   /** Those whose messages wait for room here, in the order they began to wait. */
@@ -176,6 +198,10 @@ export class WebhookDeliverer {
   readonly #abandoning = new AbortController();
   #stopped: Promise<void> | undefined;
   #toldNoKey = false;
+  /** Looks for the tries this process lost track of, every FORGOTTEN_CHECK_MS until stop(). */
+  readonly #forgottenTimer: NodeJS.Timeout;
+  /** The look under way, if any: awaited by stop(). */
+  #lookingForForgotten: Promise<void> | undefined;
 
   constructor(options: WebhookDelivererOptions) {
     this.#options = options;
@@ -189,6 +215,8 @@ export class WebhookDeliverer {
       headersTimeout: 0,
       bodyTimeout: 0,
     });
+    this.#forgottenTimer = setInterval(() => this.#lookForForgotten(), FORGOTTEN_CHECK_MS);
+    this.#forgottenTimer.unref();
   }
 
   /** Tries in flight now. */
@@ -301,6 +329,40 @@ export class WebhookDeliverer {
     return recovered;
   }
 
+  /**
+   * Hands back this process's tries that it has lost track of: its messages delivering that it has
+   * no try in flight for, whose try started more than `olderThanMs` ago (by default, more than
+   * WEBHOOK_TIMEOUT_MS and FORGOTTEN_AFTER_MS): each is recorded as failed and its message retried
+   * at once. Returns how many (FORGOTTEN_BATCH at most).
+   */
+  async recoverForgotten(olderThanMs = this.#options.config.webhooks.timeoutMs + FORGOTTEN_AFTER_MS): Promise<number> {
+    const inFlight = [...this.#tries.values()].map((flight) => flight.messageId);
+    const recovered = await recoverForgottenDeliveries(this.#options.db, this.workerId, olderThanMs, inFlight, FORGOTTEN_BATCH);
+    if (recovered > 0) {
+      this.#options.metrics.webhookDeliveries.inc({ outcome: 'failed' }, recovered);
+      this.#log.warn({ messages: recovered }, 'webhook tries lost track of; retrying them');
+    }
+    return recovered;
+  }
+
+  /**
+   * One look for forgotten tries at a time. A look that fails is not retried: the next one comes
+   * FORGOTTEN_CHECK_MS later (its failure logged at debug level while the database is out of
+   * reach: those who wait for it log that).
+   */
+  #lookForForgotten(): void {
+    if (this.#lookingForForgotten || this.#stopping) return;
+    this.#lookingForForgotten = this.recoverForgotten()
+      .then(
+        () => {},
+        (error: unknown) =>
+          this.#log[isDatabaseUnavailable(error) ? 'debug' : 'warn']({ err: errorSummary(error) }, 'could not look for webhook tries lost track of'),
+      )
+      .finally(() => {
+        this.#lookingForForgotten = undefined;
+      });
+  }
+
   /** Takes no more; lets tries in flight finish for SHUTDOWN_GRACE_MS, then aborts the rest (retried at once). */
   stop(): Promise<void> {
     this.#stopped ??= this.#stop();
@@ -309,6 +371,8 @@ export class WebhookDeliverer {
 
   async #stop(): Promise<void> {
     this.#stopping = true;
+    clearInterval(this.#forgottenTimer);
+    await this.#lookingForForgotten;
     await Promise.allSettled([...this.#claims]);
     await landWithin(this.#options.config.shutdownGraceMs, () => this.#tries.values(), () => this.#abandoning.abort());
     await this.#agent.destroy();
@@ -472,7 +536,7 @@ export class WebhookDeliverer {
       this.#roomMade(slot);
       this.#tidy(slot);
     });
-    this.#tries.set(controller, { controller, done });
+    this.#tries.set(controller, { controller, done, messageId: message.id });
   }
 
   /** One try: send, then record how it went. Never rejects. */
@@ -518,9 +582,10 @@ export class WebhookDeliverer {
       // The endpoint answered its probe: its backoff is over, and its waiting messages go now.
       if (probe && end.timedOut === false) this.#setWaiting(slot, true);
     } catch (error) {
-      // Given up at shutdown, or a failure no retry mends: the message stays delivering under
-      // this worker's id, and is handed back by a sweep once this worker is gone (as when the
-      // process is killed while retrying).
+      // Given up at shutdown: the message stays delivering under this worker's id, and is handed
+      // back by a sweep once this worker is gone (as when the process is killed while retrying).
+      // A failure no retry mends, while the process runs: it hands the message back itself
+      // (recoverForgotten).
       this.#log.error({ ...context, err: errorSummary(error) }, 'could not record a webhook try');
     }
   }
@@ -602,10 +667,16 @@ export class WebhookDeliverer {
     return { error: failure.says, timedOut: failure.timedOut };
   }
 
-  /** Runs a statement, retrying while the database is unavailable: for OUTAGE_PATIENCE_MS, or `untilAbandoned`. */
+  /**
+   * Runs a statement, retrying while the database is unavailable (for OUTAGE_PATIENCE_MS, or
+   * `untilAbandoned`) and when it lost to a concurrent transaction: a probe's claim and a 410's
+   * end, say, lock the same endpoint and message rows in opposite orders, and Postgres may break
+   * their deadlock by failing either. Each statement here is a transaction of its own.
+   */
   #db<T>(statement: () => Promise<T>, options: { untilAbandoned?: boolean } = {}): Promise<T> {
     return whileUnavailable(statement, {
       ...(options.untilAbandoned ? { signal: this.#abandoning.signal } : { maxWaitMs: OUTAGE_PATIENCE_MS }),
+      conflicts: CONFLICT_RETRIES,
       log: { logger: this.#log, message: 'database unavailable; retrying' },
     });
   }

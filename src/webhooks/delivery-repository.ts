@@ -1,8 +1,9 @@
 // SQL of the worker's side of webhooks: claiming messages for tries (one by its job, or an
 // endpoint's waiting ones by its wake job), scheduling an endpoint's wake, recording how a try
-// ended (and what it says of its endpoint), and handing back the tries of workers that died.
-// Each function is one statement, so one round trip and its own transaction; every retry's
-// deliver_webhook job is added in the statement that schedules it.
+// ended (and what it says of its endpoint), and handing back the tries of workers that died and
+// those that a live worker lost track of. Each function is one statement, so one round trip and
+// its own transaction; every retry's deliver_webhook job is added in the statement that
+// schedules it.
 import { sql, type RawBuilder, type Selectable } from 'kysely';
 import type { WebhookEndpointsTable, WebhookEvent, WebhookMessagesTable, WebhookMessageStatus } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
@@ -402,6 +403,40 @@ export async function addDeliveryJob(db: Db, messageId: string, endpointId: stri
 }
 
 /**
+ * The tail of a hand-back, after the CTE `lost` (the messages delivering to hand back, locked:
+ * their id and tries): each try is recorded as failed, saying `error`, and its message is pending
+ * again, due now, with a deliver_webhook job (abandoned if its endpoint was disabled meanwhile).
+ * Selects how many were handed back (`recovered`).
+ */
+function handBack(error: string): RawBuilder<{ recovered: string }> {
+  return sql<{ recovered: string }>`
+    tries as (
+      update gateway.webhook_deliveries as deliveries
+      set outcome = 'failed', finished_at = now(), error = ${error}
+      from lost
+      where deliveries.message_id = lost.id and deliveries.try_number = lost.tries and deliveries.outcome = 'running'
+    ), recovered as (
+      update gateway.webhook_messages as messages
+      set status = case when endpoints.disabled_at is null then 'pending' else 'abandoned' end,
+          next_try_at = case when endpoints.disabled_at is null then now() end,
+          finished_at = case when endpoints.disabled_at is null then null else now() end,
+          worker_id = null
+      from lost, gateway.webhook_endpoints as endpoints
+      where messages.id = lost.id and endpoints.id = messages.endpoint_id
+      returning messages.id, messages.endpoint_id, messages.status
+    ), queued as (
+      select count(*) as jobs
+      from graphile_worker.add_jobs(array(
+        select row(${DELIVER_WEBHOOK}, json_build_object('message_id', recovered.id, 'endpoint_id', recovered.endpoint_id), null, null,
+                   null, null, null, null)::graphile_worker.job_spec
+        from recovered where recovered.status = 'pending'
+      ))
+      where exists (select from recovered where recovered.status = 'pending')
+    )
+    select count(*) as recovered from recovered cross join queued`;
+}
+
+/**
  * Hands back the tries of workers that died: messages delivering whose worker has no row in
  * gateway.worker_pools (deleted as dead, or never written), whose try started more than
  * `deadAfterMs` ago (so a worker starting up is not taken for a dead one) or, however recent,
@@ -430,30 +465,42 @@ export async function recoverLostDeliveries(
         ))
       limit ${limit}
       for update of messages skip locked
-    ), tries as (
-      update gateway.webhook_deliveries as deliveries
-      set outcome = 'failed', finished_at = now(), error = 'the worker stopped during the try'
-      from lost
-      where deliveries.message_id = lost.id and deliveries.try_number = lost.tries and deliveries.outcome = 'running'
-    ), recovered as (
-      update gateway.webhook_messages as messages
-      set status = case when endpoints.disabled_at is null then 'pending' else 'abandoned' end,
-          next_try_at = case when endpoints.disabled_at is null then now() end,
-          finished_at = case when endpoints.disabled_at is null then null else now() end,
-          worker_id = null
-      from lost, gateway.webhook_endpoints as endpoints
-      where messages.id = lost.id and endpoints.id = messages.endpoint_id
-      returning messages.id, messages.endpoint_id, messages.status
-    ), queued as (
-      select count(*) as jobs
-      from graphile_worker.add_jobs(array(
-        select row(${DELIVER_WEBHOOK}, json_build_object('message_id', recovered.id, 'endpoint_id', recovered.endpoint_id), null, null,
-                   null, null, null, null)::graphile_worker.job_spec
-        from recovered where recovered.status = 'pending'
-      ))
-      where exists (select from recovered where recovered.status = 'pending')
-    )
-    select count(*) as recovered from recovered cross join queued
+    ), ${handBack('the worker stopped during the try')}
+  `.execute(db);
+  return Number(rows[0]?.recovered ?? 0);
+}
+
+/**
+ * Hands back the tries of a live worker, `workerId`, that it has lost track of: messages
+ * delivering under its id whose try started more than `olderThanMs` ago (so that a claim whose
+ * answer is still on its way to the worker is left to it), but for those of `inFlight` (its
+ * tries under way). Handed back as recoverLostDeliveries hands back a dead worker's. Returns how
+ * many.
+ */
+export async function recoverForgottenDeliveries(
+  db: Db,
+  workerId: string,
+  olderThanMs: number,
+  inFlight: readonly string[],
+  limit: number,
+): Promise<number> {
+  const { rows } = await sql<{ recovered: string }>`
+    with old as materialized (
+      -- Few, and only these are compared with the tries under way, however many there are.
+      select messages.id, messages.tries
+      from gateway.webhook_messages as messages
+      join gateway.webhook_deliveries as deliveries
+        on deliveries.message_id = messages.id and deliveries.try_number = messages.tries
+      where messages.status = 'delivering' and messages.worker_id = ${workerId}
+        and deliveries.started_at < now() - ${olderThanMs}::float8 * interval '1 millisecond'
+    ), lost as (
+      select messages.id, messages.tries
+      from gateway.webhook_messages as messages
+      join old on old.id = messages.id and old.tries = messages.tries
+      where old.id <> all(${inFlight}::text[]) and messages.status = 'delivering' and messages.worker_id = ${workerId}
+      limit ${limit}
+      for update of messages skip locked
+    ), ${handBack('the worker lost track of the try')}
   `.execute(db);
   return Number(rows[0]?.recovered ?? 0);
 }

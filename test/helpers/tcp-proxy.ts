@@ -5,7 +5,9 @@
 // - black hole: connections go silent, their bytes no longer forwarded either way while both
 //   sockets stay open, as a NAT or load balancer that forgets a flow does. Neither end hears a
 //   thing; only a round trip that never comes back tells. New connections are forwarded
-//   normally, as after a real drop.
+//   normally, as after a real drop;
+// - a lost answer: a connection dropped in place of forwarding a reply, so that what Postgres
+//   did (a statement it committed) is never heard of by the client.
 // Each connection is known by the application_name of its StartupMessage (sent in plain text), so
 // a test can silence one kind (e.g. 'gateway-listen') and leave the rest working.
 import net from 'node:net';
@@ -36,12 +38,18 @@ export interface TcpProxy {
    * with them.
    */
   afterNextReply(applicationName: string, then: (client: net.Socket) => void, matches?: (reply: Buffer) => boolean): void;
+  /**
+   * Once: drops the connection of this application_name that Postgres next sends bytes that
+   * `matches` to, in place of forwarding them. `dropped` resolves once it has.
+   */
+  dropNextReply(applicationName: string, matches: (reply: Buffer) => boolean): { dropped: Promise<void> };
 }
 
 export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<TcpProxy> {
   const target = new URL(databaseUrl);
   const connections = new Set<Forwarded>();
   const hooks: { applicationName: string; then: (client: net.Socket) => void; matches: ((reply: Buffer) => boolean) | undefined }[] = [];
+  const drops: { applicationName: string; matches: (reply: Buffer) => boolean; dropped: () => void }[] = [];
   let cut = false;
   const drop = (forwarded: Forwarded) => {
     connections.delete(forwarded);
@@ -66,6 +74,12 @@ export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<T
     });
     upstream.on('data', (chunk: Buffer) => {
       if (forwarded.silenced) return;
+      const dropping = drops.findIndex((entry) => entry.applicationName === forwarded.applicationName && entry.matches(chunk));
+      if (dropping >= 0) {
+        drop(forwarded);
+        drops.splice(dropping, 1)[0]!.dropped();
+        return;
+      }
       client.write(chunk);
       const hook = hooks.findIndex((entry) => entry.applicationName === forwarded.applicationName && (entry.matches?.(chunk) ?? true));
       if (hook >= 0) hooks.splice(hook, 1)[0]!.then(client);
@@ -106,6 +120,10 @@ export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<T
     },
     open: () => [...connections].map((connection) => connection.applicationName),
     afterNextReply: (applicationName, then, matches) => void hooks.push({ applicationName, then, matches }),
+    dropNextReply(applicationName, matches) {
+      const dropped = new Promise<void>((resolve) => drops.push({ applicationName, matches, dropped: resolve }));
+      return { dropped };
+    },
   };
 }
 
