@@ -3,7 +3,7 @@
 // a socket and a timer, not a graphile-worker slot nor a database connection, as upstream calls
 // do (worker/dispatcher.ts). The try POSTs the event, signed as Standard Webhooks says, and its
 // end is recorded in one statement: delivered on a 2xx; a 410 disables the endpoint; anything
-// else, or no answer within WEBHOOK_TIMEOUT_MS, is retried after the next wait of
+// else, or no complete answer within WEBHOOK_TIMEOUT_MS, is retried after the next wait of
 // WEBHOOK_RETRY_SCHEDULE, until the schedule is spent.
 //
 // One endpoint cannot take the room of the others:
@@ -631,6 +631,12 @@ export class WebhookDeliverer {
     const status = response.statusCode;
     // Read and dropped, so that the connection can carry the next try.
     await response.body.dump({ limit: MAX_ANSWER_BYTES }).catch(() => {});
+    // An answer still unfinished at the timeout is no answer, whatever its status said: the
+    // endpoint held the try as one that never answers does.
+    if (signal.aborted && signal.reason === ABORTED_BY_TIMEOUT) {
+      const error = `HTTP ${status} without the rest of its answer within ${this.#options.config.webhooks.timeoutMs / 1000} s`;
+      return { kind: 'failed', httpStatus: status, error, timedOut: true };
+    }
     if (status >= 200 && status < 300) return { kind: 'delivered', httpStatus: status };
     if (status === 410) return { kind: 'gone', httpStatus: status };
     const retryAfter = response.headers['retry-after'];

@@ -227,6 +227,31 @@ t.test('no answer in time, a dropped connection, a refused one: failed tries, in
   hanging.release({ status: 200 });
 });
 
+t.test('a status sent in time whose answer never ends is no answer: the try times out, whatever the status, and the endpoint backs off', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const statuses = [200, 410, 500];
+  const endpoints = new Map<string, number>();
+  const keys = [];
+  for (const [index, status] of statuses.entries()) {
+    const receiver = await startReceiver(t, () => ({ status, unfinished: true }));
+    endpoints.set((await addTestEndpoint(gateway, { project: `p${index}`, url: receiver.url })).id, status);
+    keys.push(await gateway.createKey({ project: `p${index}` }));
+  }
+  const { runDueJobs } = testDeliverer(t, gateway, { webhooks: { timeoutMs: 300, retryScheduleMs: [] } });
+  for (const key of keys) await endRequest(gateway, key, 'completed');
+  await runDueJobs();
+  await until(async () => (await messagesOf(gateway.db)).every((message) => message.finished_at !== null), 'all three tried', 5_000);
+  for (const message of await messagesOf(gateway.db)) {
+    const status = endpoints.get(message.endpoint_id)!;
+    t.equal(message.status, 'failed', `HTTP ${status}: not delivered (the schedule has no retry)`);
+    t.match(await triesOf(gateway.db, message.id), [
+      { outcome: 'failed', http_status: status, error: `HTTP ${status} without the rest of its answer within 0.3 s` },
+    ], `HTTP ${status}: a failed try`);
+    const { rows } = await gateway.pool.query('select backoff_ms, disabled_at from gateway.webhook_endpoints where id = $1', [message.endpoint_id]);
+    t.match(rows[0], { backoff_ms: 1_000, disabled_at: null }, `HTTP ${status}: its endpoint backs off (and is not disabled)`);
+  }
+});
+
 t.test('410 disables the endpoint: its other messages are abandoned and nothing more is sent', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();

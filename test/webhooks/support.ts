@@ -39,7 +39,9 @@ export type ReceiverReply =
   /** Never answers (the deliverer's timeout, or its shutdown, ends it). */
   | { hang: true }
   /** Drops the connection without an answer. */
-  | { reset: true };
+  | { reset: true }
+  /** Sends its status line and the start of a body, and never ends it. */
+  | { status: number; unfinished: true };
 
 export interface Receiver {
   url: string;
@@ -109,6 +111,11 @@ export async function startReceiver(
     }
     if ('reset' in answer) {
       request.socket.destroy();
+      return;
+    }
+    if ('unfinished' in answer) {
+      response.writeHead(answer.status, { 'content-type': 'application/json' });
+      response.write('{"received":');
       return;
     }
     response.writeHead(answer.status, answer.headers);
