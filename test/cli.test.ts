@@ -243,3 +243,34 @@ t.test('request makes signed calls from the environment\'s key and secret', asyn
   t.equal(noCredentials.code, 1);
   t.match(noCredentials.stderr, /GATEWAY_API_KEY and GATEWAY_SIGNING_SECRET/);
 });
+
+t.test('request sends and signs the path as the URL encodes it, and ignores a base URL\'s trailing /v1 as the client library does', async (t) => {
+  const service = await startTestGateway(t);
+  const key = await service.createKey({ mode: 'test' });
+  const env = { GATEWAY_API_KEY: key.api_key, GATEWAY_SIGNING_SECRET: key.signing_secret, GATEWAY_BASE_URL: service.url };
+
+  // A space, a non-ASCII letter, a space in the query and a `..` segment: each is encoded or
+  // resolved on its way, so what is signed must be what the URL became.
+  for (const path of ['/v1/requests/req abc', '/v1/requests/req_é', '/v1/requests/req_x?a=b c', '/v1/requests/a/../req_x']) {
+    const result = await runCli(['request', 'GET', path], env);
+    t.equal(result.code, 1, path);
+    t.match(result.stderr, /HTTP 404/, `${path}: looked up, not refused as badly signed: ${result.stdout}`);
+    t.match(JSON.parse(result.stdout), { error: { code: 'request_not_found' } }, path);
+  }
+  const verbose = await runCli(['request', 'GET', '/v1/requests/req é?a=b c', '--verbose'], env);
+  t.match(verbose.stderr, `> GET ${service.url}/v1/requests/req%20%C3%A9?a=b%20c\n`, '--verbose shows the URL sent');
+  t.match(verbose.stderr, /\n {4}GET\n {4}\/v1\/requests\/req%20%C3%A9\?a=b%20c\n/, 'and the path signed, as sent');
+
+  const accepted = await runCli(['request', 'POST', '/v1/chat/completions', JSON.stringify({ model: 'test-echo', messages: userMessage() })], env);
+  const { id } = JSON.parse(accepted.stdout);
+  for (const baseUrl of [`${service.url}/v1`, `${service.url}/v1/`]) {
+    const lookup = await runCli(['request', 'GET', `/v1/requests/${id}`, '--verbose'], { ...env, GATEWAY_BASE_URL: baseUrl });
+    t.equal(lookup.code, 0, `${baseUrl}: ${lookup.stderr}`);
+    t.match(lookup.stderr, `> GET ${service.url}/v1/requests/${id}\n`, `${baseUrl}: not /v1/v1/`);
+    t.match(JSON.parse(lookup.stdout), { id });
+  }
+
+  const outside = await runCli(['request', 'GET', '//example.com/v1/requests/req_x'], env);
+  t.equal(outside.code, 1);
+  t.match(outside.stderr, /^Cannot call \/\/example.com\/v1\/requests\/req_x on .*not under the gateway's base URL/);
+});

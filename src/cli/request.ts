@@ -3,6 +3,7 @@
 // GATEWAY_BASE_URL; prints the status on stderr and the body on stdout.
 import { readFile } from 'node:fs/promises';
 import { signRequest, stringToSign, sha256Hex } from '../client/index.ts';
+import { normalizeBaseURL, pathRelativeTo, urlUnder } from '../client/signing.ts';
 import type { Config } from '../config.ts';
 import { CommandError, type CommandLineIo } from './output.ts';
 import { parse, UsageError } from './args.ts';
@@ -28,19 +29,22 @@ async function requestCommand(
     throw new CommandError('The path is relative to the base URL and begins with /, e.g. /v1/chat/completions.');
   }
   const method = command.method.toUpperCase();
+  // Sent and signed as the client library sends and signs its calls: the path as the URL parser
+  // encodes and resolves it, relative to the base URL (whose trailing /v1 is ignored).
+  const { url, path } = target(baseUrl, command.path);
   const body = await readBody(command.body);
-  const signed = await signRequest({ signingSecret, method, path: command.path, body });
+  const signed = await signRequest({ signingSecret, method, path, body });
   if (command.verbose) {
     const lines = stringToSign({
       timestamp: signed.timestamp,
       nonce: signed.nonce,
       method,
-      path: command.path,
+      path,
       bodySha256: await sha256Hex(body),
     });
-    print.err(`> ${method} ${baseUrl}${command.path}\n> string to sign:\n${indent(lines)}\n> Svc-Signature: ${signed.header}`);
+    print.err(`> ${method} ${url.href}\n> string to sign:\n${indent(lines)}\n> Svc-Signature: ${signed.header}`);
   }
-  const response = await fetch(`${baseUrl}${command.path}`, {
+  const response = await fetch(url.href, {
     method,
     headers: {
       authorization: `Bearer ${apiKey}`,
@@ -54,6 +58,19 @@ async function requestCommand(
   print.err(`HTTP ${response.status}${replayed ? ' (Idempotent-Replayed)' : ''}`);
   print.out(pretty(text));
   return response.ok;
+}
+
+/** The URL `path` names under the base URL, and the path and query of it that are signed. */
+function target(baseUrl: string, path: string): { url: URL; path: string } {
+  try {
+    const base = normalizeBaseURL(baseUrl);
+    const url = urlUnder(base, path);
+    return { url, path: pathRelativeTo(url, base) };
+  } catch (error) {
+    // A base URL that is not http(s), or a path that leads out of it (`//host/...`, or `..` above
+    // the base URL's own path).
+    throw new CommandError(`Cannot call ${path} on ${baseUrl}: ${(error as Error).message}`);
+  }
 }
 
 async function readBody(body: string | undefined): Promise<string | undefined> {

@@ -12,7 +12,7 @@ import { Chat } from './resources/chat.ts';
 import { Requests } from './resources/requests.ts';
 import { Webhooks } from './resources/webhooks.ts';
 import { backoffMs, isRetryableAnswer, MAX_RETRY_AFTER_MS, retryAfterMs, sleep } from './retry.ts';
-import { normalizeBaseURL, pathRelativeTo, SIGNATURE_HEADER, signRequest } from './signing.ts';
+import { normalizeBaseURL, pathRelativeTo, SIGNATURE_HEADER, signRequest, urlUnder } from './signing.ts';
 
 export type Fetch = (input: string | URL | Request, init?: RequestInit) => Promise<Response>;
 
@@ -71,7 +71,7 @@ export class Gateway {
   async #request<T>(request: APIRequest, options: RequestOptions = {}): Promise<T> {
     const maxRetries = checkCount('maxRetries', options.maxRetries ?? this.maxRetries);
     const timeout = checkCount('timeout', options.timeout ?? this.timeout);
-    const url = new URL(this.#base.pathname.replace(/\/$/, '') + request.path, this.#base);
+    const url = urlUnder(this.#base, request.path);
     // Serialized once: every attempt sends, and signs, the very same bytes.
     const body = request.body === undefined ? undefined : JSON.stringify(request.body);
 

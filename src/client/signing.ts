@@ -102,6 +102,15 @@ export function normalizeBaseURL(baseURL: string | URL): URL {
   return url;
 }
 
+/**
+ * The URL that `path` (path and query from the base URL, beginning with /) names under the base
+ * URL, as fetch sends it: percent-encoded, `.` and `..` segments resolved. pathRelativeTo gives
+ * the part of it that is signed.
+ */
+export function urlUnder(base: URL, path: string): URL {
+  return new URL(base.pathname.replace(/\/$/, '') + path, base);
+}
+
 /** The path and query of `url` relative to the base URL: what the signature covers. */
 export function pathRelativeTo(url: URL, base: URL): string {
   const prefix = base.pathname.replace(/\/+$/, '');
