@@ -7,7 +7,7 @@ import {
   APIUserAbortError,
   GatewayError,
 } from './errors.ts';
-import type { APIRequest, RequestFunction, RequestOptions } from './request.ts';
+import { checkCount, checkMilliseconds, type APIRequest, type RequestFunction, type RequestOptions } from './request.ts';
 import { Chat } from './resources/chat.ts';
 import { Requests } from './resources/requests.ts';
 import { Webhooks } from './resources/webhooks.ts';
@@ -27,7 +27,7 @@ export interface GatewayOptions {
   fetch?: Fetch | undefined;
   /** Retries after the first attempt of each call. Default 2. */
   maxRetries?: number | undefined;
-  /** Milliseconds each attempt may take, answer body included. Default 2 minutes. */
+  /** Milliseconds each attempt may take, answer body included, at most 2^31 - 1. Default 2 minutes. */
   timeout?: number | undefined;
 }
 
@@ -60,7 +60,7 @@ export class Gateway {
     this.baseURL = this.#base.href.replace(/\/$/, '');
     this.#fetch = options.fetch ?? ((input, init) => globalThis.fetch(input, init));
     this.maxRetries = checkCount('maxRetries', options.maxRetries ?? DEFAULT_MAX_RETRIES);
-    this.timeout = checkCount('timeout', options.timeout ?? DEFAULT_TIMEOUT_MS);
+    this.timeout = checkMilliseconds('timeout', options.timeout ?? DEFAULT_TIMEOUT_MS);
 
     const request: RequestFunction = (apiRequest, requestOptions) => this.#request(apiRequest, requestOptions);
     this.chat = new Chat(request);
@@ -70,7 +70,7 @@ export class Gateway {
 
   async #request<T>(request: APIRequest, options: RequestOptions = {}): Promise<T> {
     const maxRetries = checkCount('maxRetries', options.maxRetries ?? this.maxRetries);
-    const timeout = checkCount('timeout', options.timeout ?? this.timeout);
+    const timeout = checkMilliseconds('timeout', options.timeout ?? this.timeout);
     const url = urlUnder(this.#base, request.path);
     // Serialized once: every attempt sends, and signs, the very same bytes.
     const body = request.body === undefined ? undefined : JSON.stringify(request.body);
@@ -168,9 +168,4 @@ function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T> {
       },
     );
   });
-}
-
-function checkCount(name: string, value: number): number {
-  if (!Number.isSafeInteger(value) || value < 0) throw new GatewayError(`${name} must be a whole number, 0 or more.`);
-  return value;
 }

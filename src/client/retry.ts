@@ -1,6 +1,7 @@
 // When to try a call again, and how long to wait first.
 import { doubling, jitter } from './backoff.ts';
 import { APIUserAbortError } from './errors.ts';
+import { MAX_WAIT_MS } from './request.ts';
 
 /** A retry-after longer than this is not waited out: the error is thrown instead. */
 export const MAX_RETRY_AFTER_MS = 60_000;
@@ -55,9 +56,14 @@ export function parseRetryAfter(value: string | null, now = Date.now()): number 
   return Number.isNaN(date) ? undefined : Math.max(0, date - now);
 }
 
-/** Resolves after `ms`, or rejects with APIUserAbortError as soon as `signal` fires. */
+/**
+ * Resolves after `ms`, or rejects with APIUserAbortError as soon as `signal` fires. `ms` is at
+ * most MAX_WAIT_MS (the options that set a wait are checked against it), as a timer fires a
+ * longer wait, or NaN, after 1 ms; such a wait is a RangeError rather than no wait at all.
+ */
 export function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
   return new Promise((resolve, reject) => {
+    if (!(ms >= 0 && ms <= MAX_WAIT_MS)) return reject(new RangeError(`A wait of ${ms} ms is not from 0 to ${MAX_WAIT_MS}.`));
     if (signal?.aborted) return reject(new APIUserAbortError({ cause: signal.reason }));
     const timer = setTimeout(done, ms);
     signal?.addEventListener('abort', aborted, { once: true });

@@ -1,6 +1,6 @@
 // requests.poll: looks a request up, backing off, until it is completed, failed or cancelled.
 import t from 'tap';
-import { APIUserAbortError, Gateway, NotFoundError } from '../../src/client/index.ts';
+import { APIUserAbortError, Gateway, GatewayError, NotFoundError } from '../../src/client/index.ts';
 import { API_KEY, BASE_URL, SECRET, checkCall, completion, errorResponse, jsonResponse, record, scriptedFetch } from './support.ts';
 
 function clientWith(script: Parameters<typeof scriptedFetch>[0]) {
@@ -59,4 +59,18 @@ t.test('poll stops with APIUserAbortError when its signal fires between lookups'
   setTimeout(() => controller.abort(), 300);
   await t.rejects(client.requests.poll('req_x', { pollIntervalMs: 100, signal: controller.signal }), APIUserAbortError);
   t.ok(calls.length >= 2 && calls.length <= 4, `${calls.length} lookups before the abort`);
+});
+
+t.test('a pause longer than a timer keeps (above 2^31 - 1 ms), or not a number, is refused with a GatewayError, not a tight loop', async (t) => {
+  for (const option of ['pollIntervalMs', 'maxPollIntervalMs']) {
+    for (const pause of [2 ** 31, 2 ** 32, NaN, -1, 0.5]) {
+      const { client, calls } = clientWith([jsonResponse(200, record('queued'))]);
+      // Bounds the polling, should the pause be taken rather than refused.
+      const signal = AbortSignal.timeout(200);
+      const error = await client.requests.poll('req_x', { [option]: pause, signal }).catch((caught: unknown) => caught);
+      t.type(error, GatewayError, `${option} ${pause}`);
+      t.match((error as Error).message, new RegExp(`^${option} must be a whole number of milliseconds from 0 to 2147483647\\.$`), `${option} ${pause}`);
+      t.equal(calls.length, 0, `${option} ${pause}: no lookup`);
+    }
+  }
 });

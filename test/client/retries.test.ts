@@ -5,11 +5,12 @@ import {
   APIConnectionTimeoutError,
   APIUserAbortError,
   Gateway,
+  GatewayError,
   InternalServerError,
   RateLimitError,
   type GatewayOptions,
 } from '../../src/client/index.ts';
-import { parseRetryAfter, retryAfterMs } from '../../src/client/retry.ts';
+import { parseRetryAfter, retryAfterMs, sleep } from '../../src/client/retry.ts';
 import {
   API_KEY,
   BASE_URL,
@@ -203,6 +204,37 @@ t.test('an attempt that gets no answer within the timeout throws APIConnectionTi
   t.ok(elapsed >= 190 && elapsed < 1000, `gave up after ${Math.round(elapsed)} ms`);
   t.equal(calls.length, 1);
   t.equal(calls[0]!.signal?.aborted, true, 'the fetch was told to stop');
+});
+
+t.test('a timeout longer than a timer keeps (above 2^31 - 1 ms) is refused with a GatewayError, not an attempt ended after 1 ms', async (t) => {
+  const refused = /^timeout must be a whole number of milliseconds from 0 to 2147483647\.$/;
+  for (const timeout of [2 ** 31, 2 ** 53, Infinity, NaN, -1, 1.5]) {
+    const error = (() => {
+      try {
+        return new Gateway({ apiKey: API_KEY, signingSecret: SECRET, timeout });
+      } catch (caught) {
+        return caught;
+      }
+    })();
+    t.type(error, GatewayError, `new Gateway with timeout ${timeout}`);
+    t.match((error as Error).message, refused, `timeout ${timeout}`);
+  }
+
+  let calls = 0;
+  const slowFetch = async () => {
+    calls++;
+    await new Promise((resolve) => setTimeout(resolve, 50));
+    return jsonResponse(200, completion('in time'));
+  };
+  const client = new Gateway({ apiKey: API_KEY, signingSecret: SECRET, baseURL: BASE_URL, fetch: slowFetch, timeout: 2 ** 31 - 1, maxRetries: 0 });
+  const result = await client.chat.completions.create(params);
+  t.equal(result.object === 'chat.completion' && result.choices[0]?.message.content, 'in time', 'the longest timeout a timer keeps waits');
+  const perCall = await client.chat.completions.create(params, { timeout: 2 ** 31 }).catch((caught: unknown) => caught);
+  t.match((perCall as Error).message, refused, 'a call\'s own timeout is checked too');
+  t.equal(calls, 1, 'and nothing is sent with it');
+
+  await t.rejects(sleep(2 ** 31, undefined), RangeError, 'a wait the timer would cut to 1 ms is refused');
+  await t.rejects(sleep(NaN, undefined), RangeError);
 });
 
 t.test('a timed-out attempt is retried under the same idempotency key', async (t) => {

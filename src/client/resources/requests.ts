@@ -1,14 +1,14 @@
 // client.requests: GET /v1/requests/{id} (docs/api.md, "Looking up a request"), polling it to
 // the end, and POST /v1/requests/{id}/cancel ("Cancelling a request").
 import { Backoff, jitter } from '../backoff.ts';
-import type { RequestFunction, RequestOptions } from '../request.ts';
+import { checkMilliseconds, type RequestFunction, type RequestOptions } from '../request.ts';
 import { sleep } from '../retry.ts';
 import type { CancelledRequestRecord, RequestRecord, TerminalRequestRecord } from '../types.ts';
 
 export interface PollOptions extends RequestOptions {
-  /** The first pause between lookups, in milliseconds; it doubles after each one. Default 250. */
+  /** The first pause between lookups, in milliseconds; it doubles after each one. Default 250, at most 2^31 - 1. */
   pollIntervalMs?: number | undefined;
-  /** The longest pause between lookups. Default 5000. */
+  /** The longest pause between lookups. Default 5000, at most 2^31 - 1. */
   maxPollIntervalMs?: number | undefined;
 }
 
@@ -41,7 +41,10 @@ export class Requests {
    */
   async poll(id: string, options: PollOptions = {}): Promise<TerminalRequestRecord> {
     const { pollIntervalMs = 250, maxPollIntervalMs = 5_000, ...requestOptions } = options;
-    const pauses = new Backoff(pollIntervalMs, maxPollIntervalMs);
+    const pauses = new Backoff(
+      checkMilliseconds('pollIntervalMs', pollIntervalMs),
+      checkMilliseconds('maxPollIntervalMs', maxPollIntervalMs),
+    );
     for (;;) {
       const record = await this.get(id, requestOptions);
       if (record.status === 'completed' || record.status === 'failed' || record.status === 'cancelled') return record;
