@@ -1,6 +1,10 @@
-// gateway requests show | list, stats, upstreams and usage against a working gateway's database.
+// gateway requests show | list, stats, upstreams and usage against a working gateway's database;
+// keys reencrypt's output when it fails.
+import { randomBytes } from 'node:crypto';
 import t from 'tap';
+import { createKey } from '../src/keys/service.ts';
 import { cliOutput, runCli } from './helpers/cli.ts';
+import { testDatabasePool } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage } from './helpers/http.ts';
 import { isTerminal, waitForRow } from './helpers/rows.ts';
@@ -122,4 +126,27 @@ t.test('tables and requests show escape what a terminal would act on in what cli
   t.ok(show.includes(`model            ${escaped}\n`), 'its model field');
   t.equal(JSON.parse(await run('requests', 'list', '--json'))[0].model, model, '--json: the model as it is');
   t.equal(JSON.parse(await run('requests', 'show', id, '--json')).request.model, model);
+});
+
+t.test('keys reencrypt that cannot decrypt some secrets still prints its summary on stdout (--json: the JSON alone), the ids on stderr, and exits 1', async (t) => {
+  const { url, db } = await testDatabasePool(t, 'cli-admin-reencrypt');
+  const [lostKey, currentKey] = [randomBytes(32), randomBytes(32)];
+  const lost = await createKey(db, lostKey, { project: 'p', mode: 'test' });
+  await createKey(db, currentKey, { project: 'p', mode: 'test' });
+  const env = { DATABASE_URL: url, SECRET_ENCRYPTION_KEY: currentKey.toString('base64') };
+  const prose = `None of the 1 keys decrypts the secrets of: ${lost.id}. Add the key they were stored with to SECRET_ENCRYPTION_KEYS and run this again.\n`;
+
+  const json = await runCli(['keys', 'reencrypt', '--json'], env);
+  t.equal(json.code, 1);
+  t.same(JSON.parse(json.stdout), {
+    signing_secrets: { reencrypted: 0, current: 1 },
+    webhook_endpoints: { reencrypted: 0, current: 0 },
+    undecryptable: [lost.id],
+  }, 'stdout is the one JSON value');
+  t.equal(json.stderr, prose, 'stderr says which, and what to do');
+
+  const human = await runCli(['keys', 'reencrypt'], env);
+  t.equal(human.code, 1);
+  t.match(human.stdout, /^Signing secrets: 0 re-encrypted with the first key, 1 already were\.\nWebhook endpoints: /);
+  t.equal(human.stderr, prose);
 });

@@ -80,6 +80,7 @@ export async function runCommandLine(argv: string[], io: CommandLineIo): Promise
       error instanceof MissingEncryptionKeyError ||
       error instanceof v.ValiError
     ) {
+      if (error instanceof CommandError && error.output !== undefined) io.out(error.output);
       io.err(error.message);
       return 1;
     }

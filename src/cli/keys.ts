@@ -80,10 +80,12 @@ async function reencryptKeysCommand(db: Db, encryptionKeys: readonly Buffer[], o
         `Webhook endpoints: ${endpoints.reencrypted} re-encrypted with the first key, ${endpoints.current} already were.`,
       ].join('\n');
   if (undecryptable.length > 0) {
-    // Nothing of them is changed; the others are done. The ids say which, never a secret.
+    // Nothing of them is changed; the others are done, and the summary says so on standard
+    // output as on success. The ids say which, never a secret.
     throw new CommandError(
-      `${summary}\nNone of the ${encryptionKeys.length} keys decrypts the secrets of: ${undecryptable.join(', ')}. ` +
+      `None of the ${encryptionKeys.length} keys decrypts the secrets of: ${undecryptable.join(', ')}. ` +
         'Add the key they were stored with to SECRET_ENCRYPTION_KEYS and run this again.',
+      { output: summary },
     );
   }
   return summary;

@@ -31,9 +31,19 @@ export function printable(text: string): string {
   });
 }
 
-/** A failure the user can act on: printed without a stack, exit code 1. */
+/**
+ * A failure the user can act on: printed without a stack, exit code 1. `output` is what the
+ * command answers all the same (a summary of what it did do), printed on standard output before
+ * the message goes to standard error, so that --json still prints its one JSON value.
+ */
 export class CommandError extends Error {
   override name = 'CommandError';
+  readonly output: string | undefined;
+
+  constructor(message: string, options: { output?: string | undefined } = {}) {
+    super(message);
+    this.output = options.output;
+  }
 }
 
 /** What a command runs with: the settings (the environment), and where its output goes. */
