@@ -103,6 +103,11 @@ t.test('upstreams and usage', async (t) => {
   const badDay = await runCli(['usage', '--since', '2026-02-31'], env);
   t.equal(badDay.code, 1);
   t.match(badDay.stderr, /--since must be a day/);
+  // A day JavaScript's calendar has and Postgres's does not: refused here, not by the database.
+  const yearZero = await runCli(['usage', '--since', '0000-01-01'], env);
+  t.equal(yearZero.code, 1);
+  t.equal(yearZero.stderr, '--since must be a day, YYYY-MM-DD, of year 1 or after\n');
+  t.same(JSON.parse(await run('usage', '--since', '0001-01-01', '--json')).length, 2, 'year 1 is a day');
 });
 
 t.test('tables and requests show escape what a terminal would act on in what clients chose; --json keeps it raw', async (t) => {

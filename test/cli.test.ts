@@ -1,6 +1,7 @@
 // The gateway command line (docs/cli.md) against a database; its exit codes and streams also as a
 // process of its own.
 import { createHash, randomBytes } from 'node:crypto';
+import net from 'node:net';
 import pg from 'pg';
 import t from 'tap';
 import { listMigrations } from '../src/db/migrate.ts';
@@ -10,6 +11,7 @@ import { adminQuery, createTestDatabase, urlForDatabase } from './helpers/databa
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, userMessage, type Answer } from './helpers/http.ts';
 import { storeKnownKey } from './helpers/keys.ts';
+import { freePort } from './helpers/ports.ts';
 import { waitFor } from './helpers/wait.ts';
 
 async function adminRows(url: string, query: string): Promise<Record<string, unknown>[]> {
@@ -213,6 +215,43 @@ t.test('mistakes get a message and a non-zero exit, not a stack trace (the comma
   t.equal(unknownCommand.code, 2);
   t.match(unknownCommand.stderr, /Unknown command/);
   t.match(unknownCommand.stderr, /Usage: gateway/);
+});
+
+t.test('a database, a gateway or a file out of reach, and a port in use: one line saying so, exit 1, no stack trace', async (t) => {
+  const stack = /\n\s+at /;
+  const client = { GATEWAY_API_KEY: 'svc_test_x', GATEWAY_SIGNING_SECRET: 'svc_sig_x' };
+
+  const closedPort = await freePort();
+  const noGateway = await runCli(['request', 'GET', '/v1/requests/req_x'], { ...client, GATEWAY_BASE_URL: `http://127.0.0.1:${closedPort}` });
+  t.equal(noGateway.code, 1);
+  t.equal(noGateway.stderr, `No answer from http://127.0.0.1:${closedPort}: connection refused (connect ECONNREFUSED 127.0.0.1:${closedPort}).\n`);
+
+  const noFile = await runCli(['request', 'POST', '/v1/chat/completions', '@/nonexistent/body.json'], client);
+  t.equal(noFile.code, 1);
+  t.equal(noFile.stderr, "Cannot read the body from /nonexistent/body.json: ENOENT: no such file or directory, open '/nonexistent/body.json'\n");
+
+  const url = await createTestDatabase(t);
+  const noServer = await runCli(['stats'], { DATABASE_URL: `postgres://postgres@127.0.0.1:${closedPort}/gateway` });
+  t.equal(noServer.code, 1);
+  t.equal(noServer.stderr, `Cannot connect: connection refused (connect ECONNREFUSED 127.0.0.1:${closedPort}).\n`);
+  const noDatabase = await runCli(['keys', 'list'], { DATABASE_URL: `${url}_missing` });
+  t.equal(noDatabase.code, 1);
+  t.match(noDatabase.stderr, /^The database refused: database "\w+_missing" does not exist \(SQLSTATE 3D000\)\.\n$/);
+
+  // As a process, as `serve` runs: the API's port is held by another socket.
+  const holder = net.createServer();
+  await new Promise<void>((resolve) => holder.listen(0, '127.0.0.1', resolve));
+  t.teardown(() => new Promise<void>((resolve) => holder.close(() => resolve())));
+  const port = (holder.address() as net.AddressInfo).port;
+  const portInUse = await runCliProcess(['serve', '--role', 'api'], {
+    DATABASE_URL: url,
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    HOST: '127.0.0.1',
+    PORT: String(port),
+  });
+  t.equal(portInUse.code, 1);
+  t.match(portInUse.stderr, `listen EADDRINUSE: address already in use 127.0.0.1:${port}: another process listens there`);
+  t.notMatch(portInUse.stderr, stack, portInUse.stderr);
 });
 
 t.test('request makes signed calls from the environment\'s key and secret', async (t) => {

@@ -3,15 +3,17 @@
 // run them inside the test's process. This picks the command; the other files of src/cli/ parse
 // its arguments, and main.ts runs it.
 import { inspect } from 'node:util';
+import pg from 'pg';
 import * as v from 'valibot';
 import { ConfigError, loadConfig } from '../config.ts';
 import { MigrationChangedError } from '../db/migrate.ts';
 import { MissingEncryptionKeyError } from '../keys/service.ts';
+import { errorCode, findCause, isUnreachable } from '../network-errors.ts';
 import { isClusterChild, runAdminCommand, serveClusterChild, type AdminCommand } from '../main.ts';
 import { UsageError } from './args.ts';
 import { parseKeysCommand } from './keys.ts';
 import { migrateCommand } from './migrate.ts';
-import { CommandError, type CommandLineIo } from './output.ts';
+import { CommandError, whyNotConnected, type CommandLineIo } from './output.ts';
 import { runRequestCommand } from './request.ts';
 import { parseRequestsCommand, parseStatsCommand } from './requests.ts';
 import { serveCommand, startCommand } from './serve.ts';
@@ -62,8 +64,9 @@ Settings are environment variables; see docs/settings.md.`;
 /**
  * Runs `gateway <argv>` with `io`'s settings and output, and resolves to its exit code: 0 done
  * (`serve` and `start` resolve once serving, and run until a signal stops them), 1 a failure (on
- * `io.err`: the message of one the user can act on, anything else with its stack; or a `request`
- * answered with no success), 2 a usage error (with the usage).
+ * `io.err`: the message of one the user can act on, in one line for a database that refuses or
+ * cannot be reached and a port in use, anything else with its stack; or a `request` answered
+ * with no success), 2 a usage error (with the usage).
  */
 export async function runCommandLine(argv: string[], io: CommandLineIo): Promise<number> {
   try {
@@ -84,9 +87,28 @@ export async function runCommandLine(argv: string[], io: CommandLineIo): Promise
       io.err(error.message);
       return 1;
     }
-    io.err(inspect(error));
+    io.err(outsideFailure(error) ?? inspect(error));
     return 1;
   }
+}
+
+/**
+ * One line for a failure of what the command works with rather than of its code: the database's
+ * refusal, with its SQLSTATE (a database or role that does not exist, a wrong password, a value
+ * it does not take), a connection that could not be made (to the database: `request` says its
+ * own), or a port another process listens on. Undefined for anything else, which is printed with
+ * its stack.
+ */
+function outsideFailure(error: unknown): string | undefined {
+  if (error instanceof pg.DatabaseError && error.code !== undefined) {
+    return `The database refused: ${error.message} (SQLSTATE ${error.code}).`;
+  }
+  if (errorCode(error) === 'EADDRINUSE') {
+    const inUse = findCause(error, (cause) => (cause as { code?: unknown }).code === 'EADDRINUSE') as Error;
+    return `${inUse.message}: another process listens there; stop it, or set PORT (or METRICS_PORT) to another port.`;
+  }
+  if (isUnreachable(error)) return `Cannot connect: ${whyNotConnected(error)}.`;
+  return undefined;
 }
 
 async function run(argv: string[], io: CommandLineIo): Promise<number> {

@@ -1,5 +1,6 @@
 // What the command line prints: plain-text tables (what clients chose in them escaped, so that it
 // cannot move the cursor, colour or forge rows), and errors the user can act on.
+import { connectionFailure } from '../network-errors.ts';
 
 export function table<Row extends object>(rows: readonly Row[], columns: readonly string[]): string {
   const cells = rows.map((row) => columns.map((column) => cell((row as Record<string, unknown>)[column])));
@@ -44,6 +45,28 @@ export class CommandError extends Error {
     super(message);
     this.output = options.output;
   }
+}
+
+/**
+ * Why a connection could not be made, in one line: our words for its code when network-errors.ts
+ * knows it, then the message of the innermost cause, which names the address (`connect
+ * ECONNREFUSED 127.0.0.1:5432`), as fetch's own message says only "fetch failed".
+ */
+export function whyNotConnected(error: unknown): string {
+  const failure = connectionFailure(error);
+  const detail = innermostMessage(error) || failure.code || String(error);
+  return failure.known ? `${failure.says} (${detail})` : detail;
+}
+
+/**
+ * The message of the error's last cause; of the first of an AggregateError's errors when it has
+ * none of its own (a host name whose every address refused).
+ */
+function innermostMessage(error: unknown, depth = 0): string {
+  if (!(error instanceof Error) || depth > 5) return '';
+  if (error.cause instanceof Error) return innermostMessage(error.cause, depth + 1);
+  if (!error.message && error instanceof AggregateError) return innermostMessage(error.errors[0], depth + 1);
+  return error.message;
 }
 
 /** What a command runs with: the settings (the environment), and where its output goes. */

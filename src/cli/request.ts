@@ -5,7 +5,7 @@ import { readFile } from 'node:fs/promises';
 import { signRequest, stringToSign, sha256Hex } from '../client/index.ts';
 import { normalizeBaseURL, pathRelativeTo, urlUnder } from '../client/signing.ts';
 import type { Config } from '../config.ts';
-import { CommandError, type CommandLineIo } from './output.ts';
+import { CommandError, whyNotConnected, type CommandLineIo } from './output.ts';
 import { parse, UsageError } from './args.ts';
 
 interface RequestCommand {
@@ -44,16 +44,22 @@ async function requestCommand(
     });
     print.err(`> ${method} ${url.href}\n> string to sign:\n${indent(lines)}\n> Svc-Signature: ${signed.header}`);
   }
-  const response = await fetch(url.href, {
-    method,
-    headers: {
-      authorization: `Bearer ${apiKey}`,
-      'svc-signature': signed.header,
-      ...(body === undefined ? {} : { 'content-type': 'application/json' }),
-    },
-    ...(body === undefined ? {} : { body }),
-  });
-  const text = await response.text();
+  let response: Response;
+  let text: string;
+  try {
+    response = await fetch(url.href, {
+      method,
+      headers: {
+        authorization: `Bearer ${apiKey}`,
+        'svc-signature': signed.header,
+        ...(body === undefined ? {} : { 'content-type': 'application/json' }),
+      },
+      ...(body === undefined ? {} : { body }),
+    });
+    text = await response.text();
+  } catch (error) {
+    throw new CommandError(`No answer from ${url.origin}: ${whyNotConnected(error)}.`);
+  }
   const replayed = response.headers.get('idempotent-replayed');
   print.err(`HTTP ${response.status}${replayed ? ' (Idempotent-Replayed)' : ''}`);
   print.out(pretty(text));
@@ -80,7 +86,13 @@ async function readBody(body: string | undefined): Promise<string | undefined> {
     for await (const chunk of process.stdin) chunks.push(chunk as Buffer);
     return Buffer.concat(chunks).toString('utf8');
   }
-  if (body.startsWith('@')) return readFile(body.slice(1), 'utf8');
+  if (body.startsWith('@')) {
+    try {
+      return await readFile(body.slice(1), 'utf8');
+    } catch (error) {
+      throw new CommandError(`Cannot read the body from ${body.slice(1)}: ${(error as Error).message}`);
+    }
+  }
   return body;
 }
 

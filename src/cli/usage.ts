@@ -17,12 +17,13 @@ async function usageCommand(db: Db, options: { project?: string; since?: string;
 const Day = v.pipe(
   v.string(),
   v.regex(/^\d{4}-\d{2}-\d{2}$/, '--since must be a day, YYYY-MM-DD'),
-  v.check(isDay, '--since must be a day, YYYY-MM-DD'),
+  v.check(isDay, '--since must be a day, YYYY-MM-DD, of year 1 or after'),
 );
 
+/** A day of the calendar from 0001-01-01 on: Postgres's dates have no year 0, where JavaScript's do. */
 function isDay(text: string): boolean {
   const date = new Date(`${text}T00:00:00Z`);
-  return !Number.isNaN(date.getTime()) && date.toISOString().startsWith(text);
+  return !Number.isNaN(date.getTime()) && date.getUTCFullYear() >= 1 && date.toISOString().startsWith(text);
 }
 
 /** gateway usage, from its arguments. */
