@@ -51,10 +51,12 @@ export class InsertBatcher {
 
   /** How long the dispatch jobs of the requests wait before they are due (0: not at all). */
   readonly #delayMs: number;
+  readonly #options: InsertBatcherOptions;
 
   constructor(db: Db, options: InsertBatcherOptions = {}) {
     const delayMs = options.dispatchDelayMs ?? 0;
     this.#delayMs = delayMs;
+    this.#options = options;
     const batcher = (maxInFlight: number) =>
       new Batcher<Item, InsertResult>((items) => this.#write(db, items, delayMs), {
         maxInFlight,
@@ -86,7 +88,11 @@ export class InsertBatcher {
    * transaction may yet roll back, and a later group adds the queue's again, keeping its time.
    */
   async insertIn(tx: Db, request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
+    // Told as a group of one, and timed up to the statement's answer (the commit is the caller's).
+    this.#options.onGroup?.(1);
+    const started = performance.now();
     const { results } = await insertRequests(tx, [{ request, nonce }], { delayMs: this.#delayMs });
+    this.#options.onDone?.((performance.now() - started) / 1000);
     return results[0]!;
   }
 
