@@ -105,10 +105,9 @@ function finish(app: Koa<GatewayState>, router: Router<GatewayState>): Koa<Gatew
 }
 
 /**
- * The intake rates of a submission, checked before its body is read with the size its
+ * The intake limits of a submission, checked before its body is read with the size its
  * Content-Length announces: a submission they refuse costs no reading, parsing or hashing. The
- * handler checks them again with the unfinished count, and counts the submission, once the body
- * is valid; a project this process has not counted yet is counted first (it waits for that).
+ * handler checks them again, and counts the submission, once the body is valid.
  */
 function intakeFirst(intake: Intake): Step {
   return (ctx) => intake.checkSubmission(ctx.state.auth, Number(ctx.get('content-length')) || 0);

@@ -2,11 +2,9 @@
 // per API key (lookups apart, with their own limit: key-rates.ts) and MAX_UNFINISHED_PER_PROJECT
 // (unfinished-counts.ts). Beyond any, a 429 with retry-after, and nothing stored. Each limit is
 // decided in the API process from its own state, synchronised with the other processes' in the
-// background. A submission is checked twice: by the rates before its body is read
-// (checkSubmission, with the size its Content-Length announces), so that a refused one costs no
-// reading nor parsing, and by them all once it is valid (admitSubmission), which counts it. The
-// unfinished count waits for the body: a submission with an idempotency key may be the replay of
-// a request stored before, which makes no request of its own and is answered at the limit too.
+// background. A submission is checked twice: before its body is read (checkSubmission, with the
+// size its Content-Length announces), so that a refused one costs no reading nor parsing, and
+// once it is valid (admitSubmission), which counts it.
 import { hostname } from 'node:os';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';
@@ -15,41 +13,31 @@ import { randomBase62, type KeyMode } from '../ids.ts';
 import type { Auth } from '../keys/auth.ts';
 import type { Logger } from '../logger.ts';
 import { KeyRates, type KindLimit } from './key-rates.ts';
-import { UnfinishedCounts, type ProjectCount } from './unfinished-counts.ts';
+import { UnfinishedCounts } from './unfinished-counts.ts';
 
 export interface Intake {
   /**
-   * Throws the 429 that the rates of admitSubmission would for a body of `bodyBytes` (what
-   * Content-Length announces; 0 when it is not known yet), and counts nothing. When it returns a
-   * promise, it waits for the first count of a project this process does not know yet, so that
-   * admitSubmission has it.
+   * Throws (or rejects with) the 429 that admitSubmission would for a body of `bodyBytes` (what
+   * Content-Length announces; 0 when it is not known yet), and counts nothing. It waits, when it
+   * returns a promise, for the first count of a project this process does not know yet.
    */
   checkSubmission(auth: Auth, bodyBytes: number): void | Promise<void>;
   /**
    * Throws the 429 when the key is over its rate or its byte rate, or its project and mode has
    * too many unfinished requests; else counts the submission and its body's bytes, and the
-   * request `requestId` as unfinished until it is stored and counted. A submission that may be a
-   * replay (`replayable`: it has an idempotency key) and that only the unfinished count refuses
-   * is counted in the rates, and its refusal returned rather than thrown: the caller answers the
-   * replay, or makes the refusal.
+   * request `requestId` as unfinished until it is stored and counted.
    */
-  admitSubmission(auth: Auth, bodyBytes: number, requestId: string, replayable?: boolean): AtUnfinishedLimit | undefined;
+  admitSubmission(auth: Auth, bodyBytes: number, requestId: string): void;
   /** The admitted request `requestId` stored nothing of its own (refused later, replayed, or failed). */
   withdraw(auth: Auth, requestId: string): void;
   /** Throws the 429 when the key is over its lookup rate. */
   admitLookup(auth: Auth): void;
 }
 
-/** A submission that may be a replay, at its project's MAX_UNFINISHED_PER_PROJECT. */
-export interface AtUnfinishedLimit {
-  /** Counts the refusal, and gives the 429 to throw: the submission is no replay. */
-  refuse(): ApiError;
-}
-
 /** The intake of a gateway that sets no limit: everything is admitted. */
 export const NO_INTAKE_LIMITS: Intake = Object.freeze({
   checkSubmission: () => {},
-  admitSubmission: () => undefined,
+  admitSubmission: () => {},
   withdraw: () => {},
   admitLookup: () => {},
 });
@@ -121,34 +109,18 @@ export class IntakeLimits implements Intake {
   }
 
   checkSubmission(auth: Auth, bodyBytes: number): void | Promise<void> {
-    this.#checkRates(auth, bodyBytes);
-    return this.#unfinished?.counted(auth);
+    this.#checkSubmission(auth, bodyBytes);
+    // Checked again once its project is counted: a refusal of the rates needs no count.
+    const counted = this.#unfinished?.counted(auth);
+    if (counted) return counted.then(() => void this.#checkSubmission(auth, bodyBytes));
   }
 
-  admitSubmission(auth: Auth, bodyBytes: number, requestId: string, replayable = false): AtUnfinishedLimit | undefined {
+  admitSubmission(auth: Auth, bodyBytes: number, requestId: string): void {
     // All checked before any is counted: a request one limit refuses costs nothing of the others.
-    const { requests, bytes } = this.#checkRates(auth, bodyBytes);
-    const unfinished = this.#unfinished;
-    let project: ProjectCount | undefined;
-    let atLimit: AtUnfinishedLimit | undefined;
-    try {
-      project = unfinished?.check(auth);
-    } catch (error) {
-      if (!replayable) {
-        this.#onRefused?.(auth.mode, 'unfinished');
-        throw error;
-      }
-      atLimit = {
-        refuse: () => {
-          this.#onRefused?.(auth.mode, 'unfinished');
-          return error as ApiError;
-        },
-      };
-    }
+    const { requests, bytes, project } = this.#checkSubmission(auth, bodyBytes);
     if (requests) this.#rates!.take(requests);
     if (bytes) this.#rates!.take(bytes, bodyBytes);
-    if (project) unfinished!.take(project, requestId);
-    return atLimit;
+    if (project) this.#unfinished!.take(project, requestId);
   }
 
   withdraw(auth: Auth, requestId: string): void {
@@ -156,11 +128,13 @@ export class IntakeLimits implements Intake {
     this.#unfinished?.withdraw(auth, requestId);
   }
 
-  #checkRates(auth: Auth, bodyBytes: number) {
+  #checkSubmission(auth: Auth, bodyBytes: number) {
     const rates = this.#rates;
+    const unfinished = this.#unfinished;
     return {
       requests: rates && this.#refusing(auth.mode, 'rate', () => rates.check('submit', auth.keyId)),
       bytes: rates && bodyBytes > 0 ? this.#refusing(auth.mode, 'bytes_rate', () => rates.check('bytes', auth.keyId, bodyBytes)) : undefined,
+      project: unfinished && this.#refusing(auth.mode, 'unfinished', () => unfinished.check(auth)),
     };
   }
 

@@ -14,7 +14,7 @@ import { replayedRequest, type VerifiedSignature } from '../keys/signatures.ts';
 import type { StartReservation } from '../lanes/repository.ts';
 import type { QueueCreation, QueueRouter, Routed } from '../lanes/routing.ts';
 import type { InsertBatcher } from './insert-batcher.ts';
-import type { AtUnfinishedLimit, Intake } from './intake.ts';
+import type { Intake } from './intake.ts';
 import { cancelRequest } from './cancel-repository.ts';
 import { findAnswerByIdempotencyKey, isQueueGone, type InsertResult, type NewRequest, type RequestAnswer } from './insert-repository.ts';
 import type { RequestRow } from './read-repository.ts';
@@ -83,32 +83,25 @@ export async function submit(
 ): Promise<SubmitOutcome | Waiting> {
   const id = newRequestId();
   // The intake limits first: a refused request stores nothing, not even its model's queue.
-  const replayable = submission.idempotencyKey !== undefined;
-  const atLimit = deps.intake.admitSubmission(auth, options.bodyBytes ?? Buffer.byteLength(submission.body), id, replayable);
+  deps.intake.admitSubmission(auth, options.bodyBytes ?? Buffer.byteLength(submission.body), id);
   let storedAsOwn = false;
   let watch: Watch | undefined;
   let start: StartReservation | undefined;
   let routed: Routed | undefined;
   try {
-    let stored: Stored;
-    if (atLimit) {
-      stored = await replayAtLimit(deps, auth, submission, nonceOf(auth, options.signature), atLimit);
-      watch = submission.wait ? deps.waiters.watch(id) : undefined;
-    } else {
-      routed = await deps.queues.route(auth.mode, submission);
-      // Watching before the row exists means its completion cannot slip past us.
-      watch = submission.wait ? deps.waiters.watch(id) : undefined;
-      // Someone waits for the answer: the accept may start the call, saving the claim's round trip
-      // (not in a queue created with it: no lane of it is known yet).
-      start = submission.wait && routed.queueId !== undefined ? deps.reserveStart?.(routed.queueId) : undefined;
-      stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature), start);
-    }
+    routed = await deps.queues.route(auth.mode, submission);
+    // Watching before the row exists means its completion cannot slip past us.
+    watch = submission.wait ? deps.waiters.watch(id) : undefined;
+    // Someone waits for the answer: the accept may start the call, saving the claim's round trip
+    // (not in a queue created with it: no lane of it is known yet).
+    start = submission.wait && routed.queueId !== undefined ? deps.reserveStart?.(routed.queueId) : undefined;
+    const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature), start);
     storedAsOwn = !stored.replayed;
     let answer: Answer = stored.answer;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
     if (!stored.replayed) {
       if (start && answer.status === 'processing') start.start(id, submission.body);
-      else deps.onStored?.(stored.queueId!);
+      else deps.onStored?.(stored.queueId);
     }
     if (watch && answer.id !== id) {
       // An idempotent replay: watch the existing request instead, then read it again.
@@ -131,34 +124,6 @@ export async function submit(
   }
 }
 
-/** The request a submission was answered with: its own, stored in `queueId`, or the one it replays. */
-interface Stored {
-  answer: RequestAnswer;
-  replayed: boolean;
-  queueId: string | undefined;
-}
-
-/**
- * A submission with an idempotency key that MAX_UNFINISHED_PER_PROJECT refused: the replay of a
- * request stored before with the same body makes no request of its own, and is answered as any
- * replay (its nonce used up); the same key with another body is the 422 it always is; anything
- * else, the 429. Costs a read only at the limit.
- */
-async function replayAtLimit(
-  deps: RequestDeps,
-  auth: Auth,
-  submission: Submission,
-  nonce: Nonce | undefined,
-  atLimit: AtUnfinishedLimit,
-): Promise<Stored> {
-  const scope = { project_id: auth.projectId, mode: auth.mode };
-  const existing = await findAnswerByIdempotencyKey(deps.db, scope, submission.idempotencyKey!);
-  if (!existing) throw atLimit.refuse();
-  if (!existing.body_sha256.equals(submission.bodySha256)) throw idempotencyKeyReused();
-  if (nonce && !(await insertNonce(deps.db, nonce))) throw replayedRequest();
-  return { answer: existing, replayed: true, queueId: undefined };
-}
-
 async function store(
   deps: RequestDeps,
   auth: Auth,
@@ -167,7 +132,7 @@ async function store(
   routed: Routed,
   nonce: Nonce | undefined,
   start: StartReservation | undefined,
-): Promise<Stored> {
+): Promise<{ answer: RequestAnswer; replayed: boolean; queueId: string }> {
   const request: NewRequest = {
     id,
     project_id: auth.projectId,
