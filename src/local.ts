@@ -3,7 +3,7 @@
 // once and kept beside it. Production deployments set both and never reach this file.
 import { randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { mkdir, readFile, writeFile } from 'node:fs/promises';
+import { link, mkdir, readFile, unlink, writeFile } from 'node:fs/promises';
 import path from 'node:path';
 import type { Config } from './config.ts';
 import { startEmbeddedPostgres } from './db/embedded.ts';
@@ -36,11 +36,27 @@ export async function withLocalSecrets(config: Config): Promise<Config> {
   const file = path.join(config.dataDir, 'secret-encryption-key');
   let key: Buffer;
   if (existsSync(file)) {
-    key = Buffer.from((await readFile(file, 'utf8')).trim(), 'base64');
+    key = await readKey(file);
   } else {
     key = randomBytes(32);
     await mkdir(config.dataDir, { recursive: true });
-    await writeFile(file, `${key.toString('base64')}\n`, { mode: 0o600 });
+    // Written whole beside it, then linked in place only if no key is there: two commands started
+    // at once on a new DATA_DIR must not each keep a key of their own, the last one written over
+    // the first (whose secrets it encrypted could never be read again), nor read one half written.
+    const written = `${file}.${process.pid}.${randomBytes(6).toString('hex')}`;
+    await writeFile(written, `${key.toString('base64')}\n`, { mode: 0o600, flag: 'wx' });
+    try {
+      await link(written, file);
+    } catch (error) {
+      if ((error as { code?: string }).code !== 'EEXIST') throw error;
+      key = await readKey(file);
+    } finally {
+      await unlink(written);
+    }
   }
   return Object.freeze({ ...config, secretEncryptionKeys: Object.freeze([key]) });
+}
+
+async function readKey(file: string): Promise<Buffer> {
+  return Buffer.from((await readFile(file, 'utf8')).trim(), 'base64');
 }
