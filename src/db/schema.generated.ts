@@ -677,7 +677,7 @@ export interface SignatureNonces {
    */
   api_key_id: string;
   /**
-   * Recorded + 601 s, by the database's clock: twice the signature window, so that a signature accepted by an API process, whatever its clock's skew, is out of its window before its nonce is deleted by the cleanup task.
+   * Recorded + 901 s, by the database's clock: twice the signature window, and the 300 s by which the API processes' clocks may disagree, so that no API process accepts a signature after its nonce is deleted by the cleanup task.
    */
   expires_at: Timestamp;
   /**

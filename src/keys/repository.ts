@@ -11,12 +11,21 @@ export interface Nonce {
 }
 
 /**
- * How long a nonce is kept after it was recorded, by the database's clock: twice the signature
- * window. A signature accepted now by an API process's clock, whatever its skew from the
- * database's (within the window, beyond which no client could sign for it), is out of its
- * window before that; once deleted, a nonce can no longer be replayed in time.
+ * How much the clocks of the API processes may disagree with each other for a nonce to be kept
+ * long enough (docs/operations.md): a process whose clock is behind the one that recorded a
+ * nonce accepts its signature that much longer.
  */
-export const NONCE_KEPT_SECONDS = 2 * SIGNATURE_WINDOW_SECONDS + 1;
+export const API_CLOCKS_AGREE_SECONDS = SIGNATURE_WINDOW_SECONDS;
+
+/**
+ * How long a nonce is kept after it was recorded, by the database's clock: twice the signature
+ * window, and API_CLOCKS_AGREE_SECONDS. The process that recorded it accepted the signature at
+ * most one window before its timestamp, by its own clock; any process accepts it at most one
+ * window after, by its own, which is at most API_CLOCKS_AGREE_SECONDS behind. Whatever the
+ * database's clock says, the nonce outlives every moment a process would still accept the
+ * signature; once deleted, it can no longer be replayed in time.
+ */
+export const NONCE_KEPT_SECONDS = 2 * SIGNATURE_WINDOW_SECONDS + API_CLOCKS_AGREE_SECONDS + 1;
 
 export interface KeyRecord {
   id: string;
