@@ -66,6 +66,20 @@ t.test('a LISTEN connection gone silent is found dead within 10 s, reported lost
   );
 });
 
+t.test('a listener whose connection has gone silent closes at once, as a shutdown needs', async (t) => {
+  const databaseUrl = await createTestDatabase(t);
+  const proxy = await startTcpProxy(t, databaseUrl);
+  const logger = createLogger({ logLevel: 'info' }, { write: () => {} });
+  const listener = new Listener(proxy.url, logger);
+  listener.subscribe('listener_test', { notification: () => {} });
+  await listener.start();
+  t.equal(proxy.blackHole('gateway-listen'), 1, 'its connection goes silent, both ways, its sockets open');
+  const closing = listener.close().then(() => 'closed' as const);
+  const outcome = await Promise.race([closing, new Promise<'still closing'>((resolve) => setTimeout(() => resolve('still closing'), 2_000))]);
+  t.equal(outcome, 'closed', 'closed within 2 s, though Postgres never answers its goodbye');
+  await until(() => proxy.open().every((name) => name !== 'gateway-listen'), 'its socket to be closed');
+});
+
 t.test('a pause of this process longer than a round trip\'s timeout, its answer already in, is no dead connection', async (t) => {
   const databaseUrl = await createTestDatabase(t);
   const proxy = await startTcpProxy(t, databaseUrl);

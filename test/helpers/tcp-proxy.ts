@@ -19,6 +19,8 @@ interface Forwarded {
   /** From the StartupMessage, once it has been read. */
   applicationName: string | undefined;
   silenced: boolean;
+  /** The client has ended its side: no longer open, whether or not anything answers. */
+  clientEnded: boolean;
 }
 
 export interface TcpProxy {
@@ -29,7 +31,7 @@ export interface TcpProxy {
   restore(): void;
   /** Silences the connections open now whose application_name is this; returns how many. */
   blackHole(applicationName: string): number;
-  /** The application_name of each connection open now (undefined until its startup is read). */
+  /** The application_name of each connection open now, its client's side not ended (undefined until its startup is read). */
   open(): (string | undefined)[];
   /**
    * Once: calls `then` right after forwarding the next bytes from Postgres to a connection of
@@ -56,13 +58,15 @@ export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<T
     forwarded.client.destroy();
     forwarded.server.destroy();
   };
-  const server = net.createServer((client) => {
+  // Half-open sockets, each end passed on as the bytes are: a silenced connection passes on no
+  // end either, as a flow a NAT forgot, and whoever ends it waits for an answer that never comes.
+  const server = net.createServer({ allowHalfOpen: true }, (client) => {
     if (cut) {
       client.destroy();
       return;
     }
-    const upstream = net.connect(Number(target.port || 5432), target.hostname);
-    const forwarded: Forwarded = { client, server: upstream, applicationName: undefined, silenced: false };
+    const upstream = net.connect({ port: Number(target.port || 5432), host: target.hostname, allowHalfOpen: true });
+    const forwarded: Forwarded = { client, server: upstream, applicationName: undefined, silenced: false, clientEnded: false };
     connections.add(forwarded);
     let head = Buffer.alloc(0);
     client.on('data', (chunk: Buffer) => {
@@ -83,6 +87,13 @@ export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<T
       client.write(chunk);
       const hook = hooks.findIndex((entry) => entry.applicationName === forwarded.applicationName && (entry.matches?.(chunk) ?? true));
       if (hook >= 0) hooks.splice(hook, 1)[0]!.then(client);
+    });
+    client.on('end', () => {
+      forwarded.clientEnded = true;
+      if (!forwarded.silenced) upstream.end();
+    });
+    upstream.on('end', () => {
+      if (!forwarded.silenced) client.end();
     });
     for (const socket of [client, upstream]) {
       socket.on('error', () => drop(forwarded));
@@ -118,7 +129,7 @@ export async function startTcpProxy(t: Teardown, databaseUrl: string): Promise<T
       }
       return count;
     },
-    open: () => [...connections].map((connection) => connection.applicationName),
+    open: () => [...connections].filter((connection) => !connection.clientEnded).map((connection) => connection.applicationName),
     afterNextReply: (applicationName, then, matches) => void hooks.push({ applicationName, then, matches }),
     dropNextReply(applicationName, matches) {
       const dropped = new Promise<void>((resolve) => drops.push({ applicationName, matches, dropped: resolve }));
