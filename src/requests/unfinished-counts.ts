@@ -75,12 +75,12 @@ export class UnfinishedCounts {
 
   /**
    * Resolves once the project has been counted, or a count was tried and could not say (the
-   * database failing or slow to answer): undefined when it was counted already or the counts are
-   * failing, so that there is nothing to wait for.
+   * database failing or slow to answer): undefined when it was counted already, or the counts are
+   * failing or stopped, so that there is nothing to wait for.
    */
   counted(auth: Auth): Promise<void> | undefined {
     const project = this.#project(auth);
-    if (project.counted !== undefined || this.#loop.failing) return undefined;
+    if (project.counted !== undefined || this.#loop.failing || this.#loop.stopped) return undefined;
     return (async () => {
       const giveUpAt = performance.now() + COUNT_WAIT_MS;
       // A count under way may have listed its projects before this one: then one more.
