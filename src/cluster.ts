@@ -1,13 +1,15 @@
 // API_PROCESSES > 1: one Node process cannot use more than one core, so `gateway serve` (and
 // `start`) fork that many API processes sharing PORT (node:cluster). The primary forks them,
-// replaces any that dies, runs the worker role itself for --role all, relays a shutdown to every
-// process, and answers /metrics for all of them with the sum of everyone's metrics: itself on
-// METRICS_PORT when that is set, or else through the API processes on PORT (with METRICS_TOKEN:
-// each asks the primary), so that a scrape sees the whole service whichever process it reaches.
+// fails the start if one exits before it is listening (a port in use, a schema it does not
+// expect: a replacement would fail the same way), once they all listen replaces any that dies,
+// runs the worker role itself for --role all, relays a shutdown to every process, and answers
+// /metrics for all of them with the sum of everyone's metrics: itself on METRICS_PORT when that
+// is set, or else through the API processes on PORT (with METRICS_TOKEN: each asks the primary),
+// so that a scrape sees the whole service whichever process it reaches.
 import cluster, { type Worker as ClusterChild } from 'node:cluster';
 import client from 'prom-client';
 import { Backoff } from './client/backoff.ts';
-import type { Config } from './config.ts';
+import { ConfigError, type Config } from './config.ts';
 import { errorSummary } from './db/pool.ts';
 import type { Logger } from './logger.ts';
 import { Metrics } from './metrics.ts';
@@ -19,7 +21,8 @@ type Message =
   | { type: 'gateway:collect'; id: number }
   | { type: 'gateway:collected'; id: number; text: string }
   | { type: 'gateway:metrics?'; id: number }
-  | { type: 'gateway:metrics'; id: number; json: object[] };
+  | { type: 'gateway:metrics'; id: number; json: object[] }
+  | { type: 'gateway:failed'; message: string };
 
 export const isClusterChild = () => cluster.isWorker;
 
@@ -46,6 +49,8 @@ export interface ClusterOptions {
 /**
  * In the primary: forks the API processes and runs the worker role (for --role all). The API
  * processes' keys must decrypt the stored signing secrets (main.ts checks before it calls this).
+ * Rejects, once the worker and the other API processes have stopped, if an API process exits
+ * before it is listening, with what it failed on.
  */
 export async function startCluster(options: ClusterOptions): Promise<{ stop(): Promise<void> }> {
   const { config, logger } = options;
@@ -55,11 +60,15 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   const env = { ...options.childEnv, DATABASE_URL: options.databaseUrl };
   let nextId = 0;
   const pending = new Map<number, { json: object[][]; left: number; done: (json: object[][]) => void }>();
+  /** What each API process that failed to start said it failed on, by its cluster id. */
+  const failures = new Map<number, string>();
 
   const fork = () => {
     const child = cluster.fork(env);
     child.on('message', (message: Message) => {
-      if (message.type === 'gateway:collect') {
+      if (message.type === 'gateway:failed') {
+        failures.set(child.id, message.message);
+      } else if (message.type === 'gateway:collect') {
         collect().then(
           (text) => child.isConnected() && child.send({ type: 'gateway:collected', id: message.id, text }),
           (error: unknown) => log.warn({ err: errorSummary(error) }, 'collecting metrics failed'),
@@ -69,9 +78,26 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
     return child;
   };
 
+  // Until every API process has listened once, one that exits fails the start: what stopped it
+  // (a port in use, a schema it does not expect) would stop its replacement too. After that, one
+  // that exits is replaced.
+  let startedUp = false;
+  let failStart: (error: Error) => void = () => {};
   cluster.on('exit', (child, code, signal) => {
+    const failure = failures.get(child.id);
+    failures.delete(child.id);
     if (stopping) return;
-    log.error({ pid: child.process.pid, code, signal }, 'an API process exited; starting another');
+    if (!startedUp) {
+      failStart(
+        new ConfigError(
+          failure === undefined
+            ? `An API process exited before it was listening (${signal ? `signal ${signal}` : `exit code ${code}`}).`
+            : `An API process could not start: ${failure}`,
+        ),
+      );
+      return;
+    }
+    log.error({ pid: child.process.pid, code, signal, ...(failure && { err: failure }) }, 'an API process exited; starting another');
     setTimeout(fork, restartDelay.next());
   });
   cluster.on('listening', () => {
@@ -83,17 +109,24 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   // The primary's own registry (the worker's, for --role all): its process, and its scrapes.
   const metrics = worker?.metrics ?? new Metrics();
 
-  for (let i = 0; i < config.apiProcesses; i++) fork();
-  const listening = new Promise<void>((resolve) => {
+  let metricsServer: (Part & { port: number }) | undefined;
+  const listening = new Promise<void>((resolve, reject) => {
+    failStart = reject;
     let count = 0;
     cluster.on('listening', () => {
       if (++count === config.apiProcesses) resolve();
     });
   });
-  await listening;
+  for (let i = 0; i < config.apiProcesses; i++) fork();
+  try {
+    await listening;
+  } catch (error) {
+    await stopAll();
+    throw error;
+  }
+  startedUp = true;
   log.info({ apiProcesses: config.apiProcesses, port: config.port }, 'API processes listening');
 
-  let metricsServer: (Part & { port: number }) | undefined;
   if (config.metricsPort !== undefined) {
     metrics.renderWith(collect);
     metricsServer = await options.serveMetrics(metrics);
@@ -125,19 +158,32 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
     return client.AggregatorRegistry.aggregate(json).metrics();
   }
 
-  return {
-    async stop() {
-      stopping = true;
-      const children = Object.values(cluster.workers ?? {}).filter((child): child is ClusterChild => !!child);
-      const exited = children.map((child) => new Promise<void>((resolve) => child.once('exit', () => resolve())));
-      const metricsClosed = metricsServer?.stop();
-      // Each API process drains itself: no new connections, waiters answered, then it exits.
-      for (const child of children) child.process.kill('SIGTERM');
-      await Promise.all(exited);
-      await metricsClosed;
-      await worker?.stop();
-    },
-  };
+  /** Stops every API process, the METRICS_PORT server and the worker. */
+  async function stopAll(): Promise<void> {
+    stopping = true;
+    const children = Object.values(cluster.workers ?? {}).filter((child): child is ClusterChild => !!child && !child.isDead());
+    const exited = children.map((child) => new Promise<void>((resolve) => child.once('exit', () => resolve())));
+    const metricsClosed = metricsServer?.stop();
+    // Each API process drains itself: no new connections, waiters answered, then it exits.
+    for (const child of children) child.process.kill('SIGTERM');
+    await Promise.all(exited);
+    await metricsClosed;
+    await worker?.stop();
+  }
+
+  return { stop: stopAll };
+}
+
+/**
+ * In an API process of the cluster: tells the primary what its start failed on, before the
+ * process exits, so that the primary's start fails with it.
+ */
+export function tellPrimaryStartFailed(error: unknown): Promise<void> {
+  const message: Message = { type: 'gateway:failed', message: errorSummary(error).message };
+  return new Promise<void>((resolve) => {
+    if (!process.send || !process.connected) return resolve();
+    process.send(message, undefined, {}, () => resolve());
+  });
 }
 
 /**

@@ -7,7 +7,7 @@
 // - runAdminCommand: the database an administrative command of the command line runs on.
 import type http from 'node:http';
 import type pg from 'pg';
-import { shareMetricsWithPrimary, startCluster } from './cluster.ts';
+import { shareMetricsWithPrimary, startCluster, tellPrimaryStartFailed } from './cluster.ts';
 import { ConfigError, type Config } from './config.ts';
 import { assertMigrationsUnchanged, migrate, schemaVersion } from './db/migrate.ts';
 import { createDb, createPool, type Db } from './db/pool.ts';
@@ -313,7 +313,12 @@ export { isClusterChild } from './cluster.ts';
 export async function serveClusterChild(config: Config): Promise<void> {
   const logger = createLogger(config);
   // METRICS_PORT, when set, is the primary's: it serves everyone's metrics there.
-  const gateway = await startGateway({ config, logger, role: 'api', databaseUrl: config.databaseUrl!, metricsPort: false });
+  const gateway = await startGateway({ config, logger, role: 'api', databaseUrl: config.databaseUrl!, metricsPort: false }).catch(
+    async (error: unknown) => {
+      await tellPrimaryStartFailed(error);
+      throw error;
+    },
+  );
   shareMetricsWithPrimary(gateway.metrics);
   // The primary decides when to stop (it relays SIGTERM); a Ctrl-C reaches it too.
   process.on('SIGINT', () => {});
@@ -329,10 +334,14 @@ async function startApiCluster(options: {
   childEnv: Record<string, string>;
 }): Promise<{ stop(): Promise<void> }> {
   const { config, logger, role, databaseUrl } = options;
-  // An API process whose keys cannot decrypt the signing secrets stops at once; the primary
-  // checks first, rather than replace such processes for ever.
+  // An API process stops at once on a schema it does not expect, or keys that cannot decrypt the
+  // signing secrets, which would fail the cluster's start; the primary checks first, to say so
+  // once rather than from every process.
   const checkPool = createPool(databaseUrl, { max: 1, applicationName: 'gateway-cluster', logger, sessionSettings: false });
-  await whenAvailable(() => assertSecretsDecrypt(createDb(checkPool), config), logger).finally(() => checkPool.end());
+  await whenAvailable(async () => {
+    await assertSchemaCurrent(checkPool);
+    await assertSecretsDecrypt(createDb(checkPool), config);
+  }, logger).finally(() => checkPool.end());
   return startCluster({
     config,
     logger,

@@ -1,7 +1,8 @@
 // API_PROCESSES > 1: several API processes share the port, the primary runs the worker, a
 // scrape of /metrics counts every process (on the primary's METRICS_PORT, or through any API
 // process with METRICS_TOKEN), a killed API process is replaced, and SIGTERM stops them all
-// cleanly.
+// cleanly; an API process that cannot start fails the start rather than being replaced.
+import net from 'node:net';
 import t from 'tap';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
@@ -103,4 +104,24 @@ t.test('METRICS_TOKEN without METRICS_PORT: any API process answers /metrics for
   }
   t.equal(answeredBy('/metrics', 200).size, 2, 'answered by both API processes, each counting the other\'s');
   t.equal((await serve.kill('SIGTERM'))?.code, 0);
+});
+
+t.test('an API process that cannot start stops the start: the others stopped, exit 1, none replaced', async (t) => {
+  const setup = await startTestGateway(t, { role: 'api' });
+  await setup.stop();
+  // A permanent failure: PORT is held by a plain server.
+  const holder = net.createServer();
+  await new Promise<void>((resolve) => holder.listen(0, '127.0.0.1', resolve));
+  t.teardown(() => new Promise<void>((resolve) => holder.close(() => resolve())));
+  const port = (holder.address() as net.AddressInfo).port;
+  const serve = spawnServe(t, serveSettings(setup, port, { API_PROCESSES: '2', LOG_LEVEL: 'info' }));
+  const exit = await Promise.race([
+    serve.exited(),
+    new Promise<undefined>((resolve) => setTimeout(() => resolve(undefined), STARTED_WITHIN_MS).unref()),
+  ]);
+  t.ok(exit, `exits within ${STARTED_WITHIN_MS} ms`, { output: serve.output() });
+  t.equal(exit?.code, 1, 'with code 1');
+  t.match(serve.output(), `An API process could not start: bind EADDRINUSE 127.0.0.1:${port}`);
+  t.notMatch(serve.output(), 'starting another', 'no API process is replaced');
+  t.notMatch(serve.output(), 'API processes listening');
 });
