@@ -123,10 +123,16 @@ async function startPostgres(args: string[], log: Logger): Promise<ChildProcess>
     env: { ...process.env, LC_MESSAGES: 'C' },
   });
   await new Promise<void>((resolve, reject) => {
-    child.stderr!.on('data', (chunk: Buffer) => {
-      const message = chunk.toString('utf8');
-      log.debug({ message: message.trim() });
-      if (message.includes('database system is ready to accept connections')) resolve();
+    // Its log, a line at a time (a chunk may end in the middle of one).
+    let partial = '';
+    child.stderr!.setEncoding('utf8');
+    child.stderr!.on('data', (chunk: string) => {
+      const lines = (partial + chunk).split('\n');
+      partial = lines.pop()!;
+      for (const line of lines) {
+        log.debug({ message: line.trim() });
+        if (line.includes('database system is ready to accept connections')) resolve();
+      }
     });
     child.once('error', reject);
     child.once('exit', (code, signal) => reject(new Error(`postgres exited (${signal ?? `code ${code}`})`)));
