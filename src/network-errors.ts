@@ -59,6 +59,11 @@ export function isUnreachable(error: unknown): boolean {
   return findCause(error, (cause) => UNREACHABLE.has(ownCode(cause) ?? '')) !== undefined;
 }
 
+/** Whether the error, or one of its causes, is a TLS handshake that failed (TLS_CODE). */
+export function isTlsFailure(error: unknown): boolean {
+  return findCause(error, (cause) => TLS_CODE.test(ownCode(cause) ?? '')) !== undefined;
+}
+
 /**
  * Why a connection failed, in our words: `known` is false for a code (or none) that is not one of
  * a peer out of reach nor of TLS, which is then only named.

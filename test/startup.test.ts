@@ -2,6 +2,7 @@
 import { randomBytes } from 'node:crypto';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
+import { runCli } from './helpers/cli.ts';
 import { createTestDatabase } from './helpers/database.ts';
 import { freePort } from './helpers/ports.ts';
 import { spawnServe } from './helpers/serve.ts';
@@ -52,4 +53,31 @@ t.test('gateway serve stops at once for a database that refuses it for a reason 
   t.not(exit.code, 0, 'it exits with an error');
   t.match(gateway.output(), /gateway_no_such_database/, 'saying which database');
   t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without waiting for it');
+});
+
+for (const role of ['api', 'worker'] as const) {
+  t.test(`gateway serve --role ${role} stops at once, saying why, for a connection the database will never take: TLS it does not have`, async (t) => {
+    const url = new URL(await createTestDatabase(t));
+    url.searchParams.set('sslmode', 'require');
+    const gateway = spawnServe(t, {
+      DATABASE_URL: url.toString(),
+      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+      PORT: String(await freePort()),
+      HOST: '127.0.0.1',
+      LOG_LEVEL: 'info',
+    }, ['--role', role]);
+    const exit = await Promise.race([gateway.exited(), sleep(20_000).then(() => undefined)]);
+    t.ok(exit, 'it exits within 20 s');
+    t.not(exit?.code, 0, 'with an error');
+    t.match(gateway.output(), /The server does not support SSL connections/, 'saying why');
+    t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without waiting for it');
+  });
+}
+
+t.test('gateway migrate stops at once, saying why, for TLS the database does not have', async (t) => {
+  const url = new URL(await createTestDatabase(t));
+  url.searchParams.set('sslmode', 'require');
+  const result = await runCli(['migrate'], { DATABASE_URL: url.toString() });
+  t.equal(result.code, 1, 'it fails');
+  t.match(result.stderr, /The server does not support SSL connections/, 'saying why');
 });

@@ -3,7 +3,7 @@
 import { Kysely, PostgresDialect, type PostgresPool, type PostgresPoolClient } from 'kysely';
 import pg from 'pg';
 import type { Logger } from '../logger.ts';
-import { isUnreachable } from '../network-errors.ts';
+import { errorCode, findCause, isTlsFailure, isUnreachable } from '../network-errors.ts';
 import type { Database } from './database.ts';
 
 export const SCHEMA = 'gateway';
@@ -173,7 +173,7 @@ async function usableClient(pool: pg.Pool): Promise<pg.PoolClient> {
       client = await pool.connect();
     } catch (error) {
       // (A pool that is ending is no outage: nothing should be waiting to try again.)
-      throw pool.ending ? error : noConnection(error);
+      throw pool.ending || !isConnectionOutage(error) ? error : noConnection(error);
     }
     if (!lostClients.has(client)) return client;
     client.release(true);
@@ -205,21 +205,46 @@ function queryOn<R extends pg.QueryResultRow>(client: pg.PoolClient, query: pg.Q
 // Errors told apart only by their messages ("timeout exceeded when trying to connect",
 // "Connection terminated unexpectedly", "Client has encountered a connection error and is not
 // queryable"...): they are known here by where they happened instead. A statement failing on a
-// client that reported its connection lost (lostClients), or a connection that could not be had
-// at all, is marked unavailable (noConnection), whatever pg's message.
+// client that reported its connection lost (lostClients) is marked unavailable (noConnection),
+// whatever pg's message; a connection that could not be had, only when it was lost, refused or
+// timed out (isConnectionOutage).
 const lostClients = new WeakSet<pg.ClientBase>();
 /** Clients whose 'error' is listened for (createPool). */
 const watched = new WeakSet<pg.ClientBase>();
 const unavailableErrors = new WeakSet<object>();
 
 /**
- * Marks a failure to get or keep a connection as the database being unavailable if it is one of
- * pg's own (a bare Error): not the server's answer (a DatabaseError, judged by its SQLSTATE: a
- * wrong password is no outage) nor a programming error (a TypeError, say).
+ * Marks a failure to keep a connection, or an outage's failure to get one (isConnectionOutage),
+ * as the database being unavailable if it is one of pg's own (a bare Error): not the server's
+ * answer (a DatabaseError, judged by its SQLSTATE: a wrong password is no outage) nor a
+ * programming error (a TypeError, say).
  */
 function noConnection(error: unknown): unknown {
   if (error instanceof Error && Object.getPrototypeOf(error) === Error.prototype) unavailableErrors.add(error);
   return error;
+}
+
+/**
+ * pg's own failures to connect that say the connection was refused, lost or timed out, which a
+ * database starting or restarting gives: the pool waiting for a free connection in vain, a
+ * connection closed before it was made, or one not made in time. Anything else pg raises while
+ * connecting is a setting the server will never take, whose failure should stop a start rather
+ * than be waited out: a server without TLS asked for it ("The server does not support SSL
+ * connections"), SCRAM without a password ("SASL: ... client password must be a string"), a
+ * certificate refused.
+ */
+const OUTAGE_MESSAGES = /^(timeout exceeded when trying to connect$|Connection terminated\b)/;
+
+/**
+ * Whether a failure to get a connection is an outage: a socket's error (a Node system error, with
+ * the call that failed: connect ECONNREFUSED, ENOENT for a Unix socket not made yet, ...) or one
+ * of OUTAGE_MESSAGES; never a TLS handshake that failed, nor the socket's EPROTO for an answer to
+ * it that was no TLS. (The server's answers, DatabaseErrors, are judged by their SQLSTATE.)
+ */
+function isConnectionOutage(error: unknown): boolean {
+  if (!(error instanceof Error) || isTlsFailure(error) || errorCode(error) === 'EPROTO') return false;
+  const systemError = (cause: unknown) => typeof (cause as { syscall?: unknown } | null | undefined)?.syscall === 'string';
+  return OUTAGE_MESSAGES.test(error.message) || findCause(error, systemError) !== undefined;
 }
 
 /**

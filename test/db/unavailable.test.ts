@@ -1,6 +1,7 @@
 // Which database failures mean "unavailable" (a 503 with retry-after, and a retry for the
 // worker): the server's by SQLSTATE alone, Node's socket errors by code, and pg's own failures
 // to get or keep a connection by where they happened, never by their message.
+import * as net from 'node:net';
 import { sql } from 'kysely';
 import pg from 'pg';
 import t, { type Test } from 'tap';
@@ -165,6 +166,38 @@ t.test("pg's own failures to get or keep a connection are unavailable, though th
   t.same((await sql<{ one: number }>`select 1 as one`.execute(db)).rows, [{ one: 1 }], 'and the pool serves again');
 });
 
+t.test('a connection that no waiting would make is not unavailable: TLS the server does not have, SCRAM without a password, a TLS handshake failing', async (t) => {
+  const failure = async (url: string) => {
+    const pool = createPool(url, { max: 1, applicationName: 'unavailable-test', logger });
+    t.teardown(() => pool.end());
+    return sql`select 1`.execute(createDb(pool)).then(() => undefined, (error: unknown) => error);
+  };
+
+  const url = new URL(await createTestDatabase(t));
+  url.searchParams.set('sslmode', 'require');
+  const noTls = await failure(url.toString());
+  t.match(noTls, { message: 'The server does not support SSL connections' });
+  t.notOk(isDatabaseUnavailable(noTls), 'TLS asked of a server without it');
+
+  // A server asking for SCRAM-SHA-256, then sending its first message.
+  const scram = await fakeServer(t, (socket, received) => {
+    if (received === 1) socket.write(authentication(10, Buffer.from('SCRAM-SHA-256\0\0')));
+    else socket.write(authentication(11, Buffer.from('r=nonce,s=c2FsdA==,i=4096')));
+  });
+  const noPassword = await failure(`postgres://postgres@127.0.0.1:${scram}/postgres`);
+  t.match(noPassword, { message: /^SASL: .*client password must be a string/ });
+  t.notOk(isDatabaseUnavailable(noPassword), 'SCRAM without a password');
+
+  // A server accepting TLS (S), then answering the handshake with what is no TLS.
+  const notTls = await fakeServer(t, (socket, received) => {
+    if (received === 1) socket.write('S');
+    else socket.write(Buffer.alloc(64, 'x'));
+  });
+  const handshake = await failure(`postgres://postgres@127.0.0.1:${notTls}/postgres?sslmode=no-verify`);
+  t.match(handshake, { code: 'EPROTO', message: /wrong version number/ });
+  t.notOk(isDatabaseUnavailable(handshake), `a TLS handshake failing (${(handshake as { code: string }).code})`);
+});
+
 t.test('a connection Postgres ends as it answers its session settings is not handed out: the statement runs on another', async (t) => {
   const logs: Record<string, unknown>[] = [];
   const { proxy, db } = await proxiedPool(t, { max: 2, applicationName: 'unavailable-hand-out', logger: createLogger({ logLevel: 'warn' }, lineSink(logs)) });
@@ -211,6 +244,32 @@ async function proxiedPool(t: Test, options: PoolOptions) {
   const pool = createPool(proxy.url, options);
   t.teardown(() => pool.end());
   return { url, proxy, pool, db: createDb(pool) };
+}
+
+/** A server on a free port of loopback that calls `answer` with each packet a client sends (1 the first). */
+async function fakeServer(t: Test, answer: (socket: net.Socket, received: number) => void): Promise<number> {
+  const sockets = new Set<net.Socket>();
+  const server = net.createServer((socket) => {
+    sockets.add(socket);
+    let received = 0;
+    socket.on('data', () => answer(socket, ++received));
+    socket.on('error', () => {});
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  t.teardown(() => {
+    for (const socket of sockets) socket.destroy();
+    return new Promise<void>((resolve) => server.close(() => resolve()));
+  });
+  return (server.address() as net.AddressInfo).port;
+}
+
+/** A backend's Authentication message: its kind (10 SASL, 11 SASL continue) and what follows. */
+function authentication(kind: number, data: Buffer): Buffer {
+  const head = Buffer.alloc(9);
+  head.write('R', 0);
+  head.writeInt32BE(8 + data.length, 1);
+  head.writeInt32BE(kind, 5);
+  return Buffer.concat([head, data]);
 }
 
 /** A backend's ErrorResponse: severity FATAL, its SQLSTATE and message. */
