@@ -51,8 +51,23 @@ const optionalText = v.optional(
   ),
 );
 
+/**
+ * A Postgres connection string, as pg reads it: a postgres:// or postgresql:// URL. What is wrong
+ * is said without the value, which may hold a password.
+ */
+const databaseUrl = v.optional(
+  v.pipe(
+    optionalText,
+    v.check(
+      (value) => value === undefined || (/^postgres(ql)?:\/\//i.test(value) && URL.canParse(value)),
+      'DATABASE_URL must be a postgres:// or postgresql:// URL, such as postgres://user:password@host:5432/database ' +
+        '(a password\'s reserved characters written as %XX)',
+    ),
+  ),
+);
+
 const Environment = v.object({
-  DATABASE_URL: optionalText,
+  DATABASE_URL: databaseUrl,
   PORT: integer('PORT', 8080, 0, 65535),
   API_PROCESSES: integer('API_PROCESSES', 1, 1, 64),
   HOST: text('0.0.0.0'),

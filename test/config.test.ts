@@ -60,3 +60,17 @@ t.test('MAX_PATTERN_MODELS is a whole number, 1000 by default; PRUNE_IDLE_QUEUES
   t.throws(() => loadConfig({ MAX_PATTERN_MODELS: 'many' }), { message: 'Invalid settings:\n  MAX_PATTERN_MODELS must be a whole number' });
   t.throws(() => loadConfig({ PRUNE_IDLE_QUEUES_AFTER: '500ms' }), { message: 'Invalid settings:\n  PRUNE_IDLE_QUEUES_AFTER must be at least 1s' });
 });
+
+t.test('DATABASE_URL is a postgres:// or postgresql:// URL, refused otherwise without its password', async (t) => {
+  t.equal(loadConfig({}).databaseUrl, undefined, 'unset');
+  t.equal(loadConfig({ DATABASE_URL: ' ' }).databaseUrl, undefined, 'empty is unset');
+  for (const url of ['postgres://u:pw@127.0.0.1:5432/postgres', 'postgresql://db.example/gateway?sslmode=verify-full', 'postgres:///gateway?host=/var/run/postgresql']) {
+    t.equal(loadConfig({ DATABASE_URL: ` ${url} ` }).databaseUrl, url, url);
+  }
+  const message =
+    'Invalid settings:\n  DATABASE_URL must be a postgres:// or postgresql:// URL, such as postgres://user:password@host:5432/database ' +
+    "(a password's reserved characters written as %XX)";
+  for (const url of ['postgres://u:secret-pw@127.0.0.1:abc/postgres', 'u:secret-pw@127.0.0.1/postgres', 'mysql://u:secret-pw@127.0.0.1/db', 'postgres://u:secret-pw@[::1/db']) {
+    t.throws(() => loadConfig({ DATABASE_URL: url }), { name: 'ConfigError', message }, url);
+  }
+});
