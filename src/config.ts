@@ -15,6 +15,16 @@ const MEMORY_PER_CALL_KB = 20;
 /** The longest a test-delay-<ms> model may ask for, whatever UPSTREAM_TIMEOUT_MS says. */
 const TEST_DELAY_CEILING_MS = 600_000;
 
+/**
+ * The longest a timer waits: Node runs a setTimeout or setInterval of more than 2^31 - 1 ms after
+ * 1 ms instead, so a setting that becomes one is refused beyond it.
+ */
+const MAX_TIMER_MS = 2_147_483_647;
+
+/** One of `options`, trimmed. */
+const oneOf = <const T extends readonly [string, ...string[]]>(options: T, fallback: T[number], message?: string) =>
+  v.optional(v.pipe(v.string(), v.trim(), v.picklist(options, message)), fallback);
+
 const integer = (name: string, fallback: number, min: number, max = Number.MAX_SAFE_INTEGER) =>
   v.optional(
     v.pipe(
@@ -71,11 +81,11 @@ const Environment = v.object({
   PORT: integer('PORT', 8080, 0, 65535),
   API_PROCESSES: integer('API_PROCESSES', 1, 1, 64),
   HOST: text('0.0.0.0'),
-  LOG_LEVEL: v.optional(v.picklist(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']), 'info'),
+  LOG_LEVEL: oneOf(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], 'info'),
 
   WAIT_TIMEOUT_MS: integer('WAIT_TIMEOUT_MS', 30_000, 0, 600_000),
   MAX_BODY_BYTES: integer('MAX_BODY_BYTES', 4 * 1024 * 1024, 1024),
-  SIGNATURES: v.optional(v.picklist(['required', 'optional']), 'required'),
+  SIGNATURES: oneOf(['required', 'optional'], 'required'),
   SECRET_ENCRYPTION_KEY: optionalText,
   SECRET_ENCRYPTION_KEYS: optionalText,
   METRICS_PORT: optionalInteger('METRICS_PORT', 0, 65535),
@@ -91,7 +101,7 @@ const Environment = v.object({
     'https://api.openai.com/v1',
   ),
   UPSTREAM_API_KEY: optionalText,
-  UPSTREAM_TIMEOUT_MS: integer('UPSTREAM_TIMEOUT_MS', 120_000, 1),
+  UPSTREAM_TIMEOUT_MS: integer('UPSTREAM_TIMEOUT_MS', 120_000, 1, MAX_TIMER_MS),
   UPSTREAM_MAX_RESPONSE_BYTES: integer('UPSTREAM_MAX_RESPONSE_BYTES', 2 * 1024 * 1024, 1024),
   UPSTREAMS_FILE: optionalText,
   UPSTREAM_MEMORY_MB: integer('UPSTREAM_MEMORY_MB', 256, 1, 1_000_000),
@@ -101,8 +111,8 @@ const Environment = v.object({
   MAX_PATTERN_MODELS: integer('MAX_PATTERN_MODELS', 1_000, 0, 1_000_000),
   PRUNE_IDLE_QUEUES_AFTER: v.optional(Duration('PRUNE_IDLE_QUEUES_AFTER', 1_000, 30 * 86_400_000), '1h'),
 
-  WEBHOOK_ALLOW_PRIVATE: v.optional(v.picklist(['true', 'false'], 'WEBHOOK_ALLOW_PRIVATE must be true or false'), 'false'),
-  WEBHOOK_TIMEOUT_MS: integer('WEBHOOK_TIMEOUT_MS', 15_000, 1),
+  WEBHOOK_ALLOW_PRIVATE: oneOf(['true', 'false'], 'false', 'WEBHOOK_ALLOW_PRIVATE must be true or false'),
+  WEBHOOK_TIMEOUT_MS: integer('WEBHOOK_TIMEOUT_MS', 15_000, 1, MAX_TIMER_MS),
   WEBHOOK_RETRY_SCHEDULE: v.optional(
     v.pipe(
       v.string(),
@@ -123,15 +133,15 @@ const Environment = v.object({
 
   REQUEST_DEADLINE: v.optional(Deadline('REQUEST_DEADLINE'), '24h'),
   MAX_ATTEMPTS: integer('MAX_ATTEMPTS', 5, 1, 100),
-  RETRY_BASE_MS: integer('RETRY_BASE_MS', 1_000, 0),
-  RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0),
+  RETRY_BASE_MS: integer('RETRY_BASE_MS', 1_000, 0, MAX_TIMER_MS),
+  RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0, MAX_TIMER_MS),
 
   WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 100, 1, 10_000),
-  WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10),
+  WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10, MAX_TIMER_MS),
   RETENTION_DAYS: integer('RETENTION_DAYS', 30, 1, 36_500),
   BODY_RETENTION_HOURS: optionalInteger('BODY_RETENTION_HOURS', 1),
-  WORKER_DEAD_AFTER_MS: integer('WORKER_DEAD_AFTER_MS', 7_000, 500),
-  SHUTDOWN_GRACE_MS: integer('SHUTDOWN_GRACE_MS', 6_000, 0),
+  WORKER_DEAD_AFTER_MS: integer('WORKER_DEAD_AFTER_MS', 7_000, 500, MAX_TIMER_MS),
+  SHUTDOWN_GRACE_MS: integer('SHUTDOWN_GRACE_MS', 6_000, 0, MAX_TIMER_MS),
   DATABASE_POOL_SIZE: integer('DATABASE_POOL_SIZE', 10, 2, 1_000),
   WORKER_POOL_SIZE: integer('WORKER_POOL_SIZE', 10, 3, 1_000),
 

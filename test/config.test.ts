@@ -74,3 +74,34 @@ t.test('DATABASE_URL is a postgres:// or postgresql:// URL, refused otherwise wi
     t.throws(() => loadConfig({ DATABASE_URL: url }), { name: 'ConfigError', message }, url);
   }
 });
+
+t.test('LOG_LEVEL, SIGNATURES and WEBHOOK_ALLOW_PRIVATE are trimmed, as every value is', async (t) => {
+  t.match(loadConfig({ LOG_LEVEL: ' debug ', SIGNATURES: 'optional\n', WEBHOOK_ALLOW_PRIVATE: '\ttrue ' }), {
+    logLevel: 'debug',
+    signatures: 'optional',
+    webhooks: { allowPrivate: true },
+  });
+  t.throws(() => loadConfig({ WEBHOOK_ALLOW_PRIVATE: ' yes ' }), { message: 'Invalid settings:\n  WEBHOOK_ALLOW_PRIVATE must be true or false' });
+});
+
+t.test('a number of milliseconds that becomes a timer is at most 2^31 - 1, the longest a Node timer waits', async (t) => {
+  const timers = {
+    UPSTREAM_TIMEOUT_MS: 'upstreamTimeoutMs',
+    WEBHOOK_TIMEOUT_MS: 'webhooks.timeoutMs',
+    RETRY_BASE_MS: 'retryBaseMs',
+    RETRY_MAX_MS: 'retryMaxMs',
+    WORKER_POLL_INTERVAL_MS: 'workerPollIntervalMs',
+    WORKER_DEAD_AFTER_MS: 'workerDeadAfterMs',
+    SHUTDOWN_GRACE_MS: 'shutdownGraceMs',
+  };
+  for (const [name, key] of Object.entries(timers)) {
+    // SHUTDOWN_GRACE_MS stays below WORKER_DEAD_AFTER_MS, so that one is set to the longest beside it.
+    const env = name === 'SHUTDOWN_GRACE_MS' ? { WORKER_DEAD_AFTER_MS: '2147483647', SHUTDOWN_GRACE_MS: '2147483646' } : { [name]: '2147483647' };
+    const config = loadConfig(env) as unknown as Record<string, unknown>;
+    const value = key.split('.').reduce<unknown>((object, part) => (object as Record<string, unknown>)[part], config);
+    t.equal(value, name === 'SHUTDOWN_GRACE_MS' ? 2_147_483_646 : 2_147_483_647, `${name} 2147483647 taken`);
+    t.throws(() => loadConfig({ [name]: '2147483648' }), { name: 'ConfigError', message: `Invalid settings:\n  ${name} must be at most 2147483647` }, `${name} 2147483648 refused`);
+  }
+  t.throws(() => loadConfig({ UPSTREAM_TIMEOUT_MS: '3000000000' }), { message: 'Invalid settings:\n  UPSTREAM_TIMEOUT_MS must be at most 2147483647' });
+  t.throws(() => loadConfig({ WAIT_TIMEOUT_MS: '600001' }), { message: 'Invalid settings:\n  WAIT_TIMEOUT_MS must be at most 600000' });
+});
