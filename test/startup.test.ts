@@ -80,4 +80,5 @@ t.test('gateway migrate stops at once, saying why, for TLS the database does not
   const result = await runCli(['migrate'], { DATABASE_URL: url.toString() });
   t.equal(result.code, 1, 'it fails');
   t.match(result.stderr, /The server does not support SSL connections/, 'saying why');
+  t.equal(result.stderr.trim().split('\n').length, 1, 'in one line, no stack');
 });

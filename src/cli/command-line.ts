@@ -8,7 +8,7 @@ import * as v from 'valibot';
 import { ConfigError, loadConfig } from '../config.ts';
 import { MigrationChangedError } from '../db/migrate.ts';
 import { MissingEncryptionKeyError } from '../keys/service.ts';
-import { errorCode, findCause, isUnreachable } from '../network-errors.ts';
+import { errorCode, findCause, isTlsFailure, isUnreachable } from '../network-errors.ts';
 import { isClusterChild, runAdminCommand, serveClusterChild, type AdminCommand } from '../main.ts';
 import { UsageError } from './args.ts';
 import { parseKeysCommand } from './keys.ts';
@@ -96,7 +96,8 @@ export async function runCommandLine(argv: string[], io: CommandLineIo): Promise
  * One line for a failure of what the command works with rather than of its code: the database's
  * refusal, with its SQLSTATE (a database or role that does not exist, a wrong password, a value
  * it does not take), a connection that could not be made (to the database: `request` says its
- * own), or a port another process listens on. Undefined for anything else, which is printed with
+ * own) or that the database will never take as DATABASE_URL sets it up (TLS it does not have, a
+ * password it needs), or a port another process listens on. Undefined for anything else, which is printed with
  * its stack.
  */
 function outsideFailure(error: unknown): string | undefined {
@@ -108,6 +109,10 @@ function outsideFailure(error: unknown): string | undefined {
     return `${inUse.message}: another process listens there; stop it, or set PORT (or METRICS_PORT) to another port.`;
   }
   if (isUnreachable(error)) return `Cannot connect: ${whyNotConnected(error)}.`;
+  // What pg says of a connection the database will never take as DATABASE_URL sets it up.
+  if (error instanceof Error && (isTlsFailure(error) || /^(The server does not support SSL connections|SASL: )/.test(error.message))) {
+    return `Cannot connect to the database: ${error.message}.`;
+  }
   return undefined;
 }
 
