@@ -2,6 +2,9 @@
 // result is frozen and passed down as a value. A bad setting stops the process at start-up
 // with a message naming every variable at fault.
 import * as v from 'valibot';
+// MAX_WAIT_MS, the longest a timer waits (Node runs a longer setTimeout after 1 ms): a setting
+// that becomes a timer is refused beyond it, as the client library refuses such an option.
+import { MAX_WAIT_MS } from './client/request.ts';
 import { Deadline, Duration } from './duration.ts';
 import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream } from './upstream/upstreams.ts';
 
@@ -15,11 +18,6 @@ const MEMORY_PER_CALL_KB = 20;
 /** The longest a test-delay-<ms> model may ask for, whatever UPSTREAM_TIMEOUT_MS says. */
 const TEST_DELAY_CEILING_MS = 600_000;
 
-/**
- * The longest a timer waits: Node runs a setTimeout or setInterval of more than 2^31 - 1 ms after
- * 1 ms instead, so a setting that becomes one is refused beyond it.
- */
-const MAX_TIMER_MS = 2_147_483_647;
 
 /** One of `options`, trimmed. */
 const oneOf = <const T extends readonly [string, ...string[]]>(options: T, fallback: T[number], message?: string) =>
@@ -101,7 +99,7 @@ const Environment = v.object({
     'https://api.openai.com/v1',
   ),
   UPSTREAM_API_KEY: optionalText,
-  UPSTREAM_TIMEOUT_MS: integer('UPSTREAM_TIMEOUT_MS', 120_000, 1, MAX_TIMER_MS),
+  UPSTREAM_TIMEOUT_MS: integer('UPSTREAM_TIMEOUT_MS', 120_000, 1, MAX_WAIT_MS),
   UPSTREAM_MAX_RESPONSE_BYTES: integer('UPSTREAM_MAX_RESPONSE_BYTES', 2 * 1024 * 1024, 1024),
   UPSTREAMS_FILE: optionalText,
   UPSTREAM_MEMORY_MB: integer('UPSTREAM_MEMORY_MB', 256, 1, 1_000_000),
@@ -112,7 +110,7 @@ const Environment = v.object({
   PRUNE_IDLE_QUEUES_AFTER: v.optional(Duration('PRUNE_IDLE_QUEUES_AFTER', 1_000, 30 * 86_400_000), '1h'),
 
   WEBHOOK_ALLOW_PRIVATE: oneOf(['true', 'false'], 'false', 'WEBHOOK_ALLOW_PRIVATE must be true or false'),
-  WEBHOOK_TIMEOUT_MS: integer('WEBHOOK_TIMEOUT_MS', 15_000, 1, MAX_TIMER_MS),
+  WEBHOOK_TIMEOUT_MS: integer('WEBHOOK_TIMEOUT_MS', 15_000, 1, MAX_WAIT_MS),
   WEBHOOK_RETRY_SCHEDULE: v.optional(
     v.pipe(
       v.string(),
@@ -133,15 +131,15 @@ const Environment = v.object({
 
   REQUEST_DEADLINE: v.optional(Deadline('REQUEST_DEADLINE'), '24h'),
   MAX_ATTEMPTS: integer('MAX_ATTEMPTS', 5, 1, 100),
-  RETRY_BASE_MS: integer('RETRY_BASE_MS', 1_000, 0, MAX_TIMER_MS),
-  RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0, MAX_TIMER_MS),
+  RETRY_BASE_MS: integer('RETRY_BASE_MS', 1_000, 0, MAX_WAIT_MS),
+  RETRY_MAX_MS: integer('RETRY_MAX_MS', 60_000, 0, MAX_WAIT_MS),
 
   WORKER_CONCURRENCY: integer('WORKER_CONCURRENCY', 100, 1, 10_000),
-  WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10, MAX_TIMER_MS),
+  WORKER_POLL_INTERVAL_MS: integer('WORKER_POLL_INTERVAL_MS', 1_000, 10, MAX_WAIT_MS),
   RETENTION_DAYS: integer('RETENTION_DAYS', 30, 1, 36_500),
   BODY_RETENTION_HOURS: optionalInteger('BODY_RETENTION_HOURS', 1),
-  WORKER_DEAD_AFTER_MS: integer('WORKER_DEAD_AFTER_MS', 7_000, 500, MAX_TIMER_MS),
-  SHUTDOWN_GRACE_MS: integer('SHUTDOWN_GRACE_MS', 6_000, 0, MAX_TIMER_MS),
+  WORKER_DEAD_AFTER_MS: integer('WORKER_DEAD_AFTER_MS', 7_000, 500, MAX_WAIT_MS),
+  SHUTDOWN_GRACE_MS: integer('SHUTDOWN_GRACE_MS', 6_000, 0, MAX_WAIT_MS),
   DATABASE_POOL_SIZE: integer('DATABASE_POOL_SIZE', 10, 2, 1_000),
   WORKER_POOL_SIZE: integer('WORKER_POOL_SIZE', 10, 3, 1_000),
 

@@ -25,6 +25,9 @@ export interface RetryOptions {
   conflicts?: number;
 }
 
+/** How many times a caller has a statement that lost a conflict run again (`conflicts`), as a rule. */
+export const CONFLICT_RETRIES = 5;
+
 /** The longest wait between two tries. */
 const MAX_RETRY_DELAY_MS = 2_000;
 

@@ -49,13 +49,10 @@ export class InsertBatcher {
    */
   readonly #fallbackDue = new Map<string, number>();
 
-  /** How long the dispatch jobs of the requests wait before they are due (0: not at all). */
-  readonly #delayMs: number;
   readonly #options: InsertBatcherOptions;
 
   constructor(db: Db, options: InsertBatcherOptions = {}) {
     const delayMs = options.dispatchDelayMs ?? 0;
-    this.#delayMs = delayMs;
     this.#options = options;
     const batcher = (maxInFlight: number) =>
       new Batcher<Item, InsertResult>((items) => this.#write(db, items, delayMs), {
@@ -91,7 +88,7 @@ export class InsertBatcher {
     // Told as a group of one, and timed up to the statement's answer (the commit is the caller's).
     this.#options.onGroup?.(1);
     const started = performance.now();
-    const { results } = await insertRequests(tx, [{ request, nonce }], { delayMs: this.#delayMs });
+    const { results } = await insertRequests(tx, [{ request, nonce }], { delayMs: this.#options.dispatchDelayMs ?? 0 });
     this.#options.onDone?.((performance.now() - started) / 1000);
     return results[0]!;
   }

@@ -109,9 +109,9 @@ export class IntakeLimits implements Intake {
   }
 
   checkSubmission(auth: Auth, bodyBytes: number): void | Promise<void> {
-    this.#checkSubmission(auth, bodyBytes);
+    const { project } = this.#checkSubmission(auth, bodyBytes);
     // Checked again once its project is counted: a refusal of the rates needs no count.
-    const counted = this.#unfinished?.counted(auth);
+    const counted = project && this.#unfinished!.counted(project);
     if (counted) return counted.then(() => void this.#checkSubmission(auth, bodyBytes));
   }
 

@@ -74,12 +74,11 @@ export class UnfinishedCounts {
   }
 
   /**
-   * Resolves once the project has been counted, or a count was tried and could not say (the
-   * database failing or slow to answer): undefined when it was counted already, or the counts are
-   * failing or stopped, so that there is nothing to wait for.
+   * Resolves once the project (as check() gave it) has been counted, or a count was tried and
+   * could not say (the database failing or slow to answer): undefined when it was counted
+   * already, or the counts are failing or stopped, so that there is nothing to wait for.
    */
-  counted(auth: Auth): Promise<void> | undefined {
-    const project = this.#project(auth);
+  counted(project: ProjectCount): Promise<void> | undefined {
     if (project.counted !== undefined || this.#loop.failing || this.#loop.stopped) return undefined;
     return (async () => {
       const giveUpAt = performance.now() + COUNT_WAIT_MS;
@@ -94,20 +93,8 @@ export class UnfinishedCounts {
     })();
   }
 
-  /** The project's count, or the 429 when it is at its limit. */
+  /** The project's count (tracked from now if it was not: it is counted early), or the 429 when it is at its limit. */
   check(auth: Auth): ProjectCount {
-    const project = this.#project(auth);
-    if ((project.counted ?? 0) + project.pending.size >= this.#max) {
-      throw rateLimitExceeded(
-        1,
-        `This project has ${this.#max} ${auth.mode} requests not yet finished, its limit (MAX_UNFINISHED_PER_PROJECT); retry after 1 s.`,
-      );
-    }
-    return project;
-  }
-
-  /** The project's state, tracked from now if it was not: it is counted early. */
-  #project(auth: Auth): ProjectCount {
     const now = performance.now();
     const key = `${auth.mode} ${auth.projectId}`;
     let project = this.#projects.get(key);
@@ -117,6 +104,12 @@ export class UnfinishedCounts {
       this.#loop.soon();
     }
     project.activeAt = now;
+    if ((project.counted ?? 0) + project.pending.size >= this.#max) {
+      throw rateLimitExceeded(
+        1,
+        `This project has ${this.#max} ${auth.mode} requests not yet finished, its limit (MAX_UNFINISHED_PER_PROJECT); retry after 1 s.`,
+      );
+    }
     return project;
   }
 

@@ -35,7 +35,7 @@ import { parseRetryAfter } from '../client/retry.ts';
 import { signWebhook } from '../client/webhooks.ts';
 import type { Config } from '../config.ts';
 import { errorSummary, isDatabaseUnavailable, type Db } from '../db/pool.ts';
-import { whileUnavailable } from '../db/retry.ts';
+import { CONFLICT_RETRIES, whileUnavailable } from '../db/retry.ts';
 import { abortAfter, ABORTED_BY_SHUTDOWN, ABORTED_BY_TIMEOUT, landWithin, type InFlight } from '../grace.ts';
 import { decryptSecret } from '../keys/secrets.ts';
 import type { Logger } from '../logger.ts';
@@ -102,8 +102,6 @@ const KEEP_ALIVE_MS = 10_000;
 // How long a statement other than a try's end is retried while the database is unavailable
 // (the job fails then, and graphile-worker runs it again later).
 const OUTAGE_PATIENCE_MS = 60_000;
-// A statement that lost to a concurrent transaction is run again this many times at most.
-const CONFLICT_RETRIES = 5;
 // How often this process looks for the tries it has lost track of (recoverForgotten).
 const FORGOTTEN_CHECK_MS = 10_000;
 // A message delivering under this process's id, with no try of it in flight here, is taken for

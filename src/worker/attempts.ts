@@ -29,7 +29,7 @@ import { doubling, jitter } from '../client/backoff.ts';
 import type { Config } from '../config.ts';
 import { Batcher, GROUP_BYTES } from '../db/batcher.ts';
 import { errorSummary, isDatabaseUnavailable, type Db } from '../db/pool.ts';
-import { whileUnavailable } from '../db/retry.ts';
+import { CONFLICT_RETRIES, whileUnavailable } from '../db/retry.ts';
 import { ABORTED_AS_ENDED, ABORTED_BY_SHUTDOWN } from '../grace.ts';
 import { Line } from '../line.ts';
 import type { KeyMode } from '../ids.ts';
@@ -123,8 +123,6 @@ export interface Attempts {
 // How long recording a lost attempt is retried while the database is unavailable: the
 // supervisor's next sweeps find the attempt again if this one gives up.
 const RECOVERY_PATIENCE_MS = 60_000;
-// Tries again of a recording that lost a deadlock or a serialization conflict, at most.
-const CONFLICT_RETRIES = 5;
 // Finish statements under way at once (each holds a connection while it runs).
 const GROUP_STATEMENTS_IN_FLIGHT = 2;
 
