@@ -4,7 +4,10 @@
 import { existsSync } from 'node:fs';
 import { readdir, readFile } from 'node:fs/promises';
 import path from 'node:path';
+import { Webhook } from 'standardwebhooks';
 import t from 'tap';
+import { sha256Hex, signRequest, signWebhook } from '../src/client/index.ts';
+import { signingKey, verifySignature } from '../src/keys/signatures.ts';
 
 const root = new URL('..', import.meta.url).pathname;
 const read = (file: string) => readFile(path.join(root, file), 'utf8');
@@ -62,4 +65,51 @@ t.test('every link between the documents leads somewhere', async (t) => {
       }
     }
   }
+});
+
+/** The text of the first fenced block after `marker` in `text` (without its fences). */
+function blockAfter(text: string, marker: string): string {
+  const at = text.indexOf(marker);
+  if (at < 0) throw new Error(`no "${marker}" in the document`);
+  const match = /```[a-z]*\n([\s\S]*?)\n```/.exec(text.slice(at));
+  if (!match) throw new Error(`no block after "${marker}"`);
+  return match[1]!;
+}
+
+/** The first `code` span after `marker` in `text`. */
+function codeAfter(text: string, marker: string): string {
+  const at = text.indexOf(marker);
+  if (at < 0) throw new Error(`no "${marker}" in the document`);
+  return /`([^`]+)`/.exec(text.slice(at + marker.length))![1]!;
+}
+
+t.test("signing.md's worked example is what the client library signs", async (t) => {
+  const text = await read('docs/signing.md');
+  const example = text.slice(text.indexOf('### A worked example'));
+  const secret = codeAfter(example, 'signing secret');
+  const body = codeAfter(example, 'the body');
+  const [version, timestamp, nonce, method, path, bodySha256] = blockAfter(example, 'with nonce').split('\n');
+  const header = blockAfter(example, 'signs to').replace(/^Svc-Signature: /, '');
+
+  t.equal(version, 'v1');
+  t.equal(bodySha256, await sha256Hex(body), 'the last line is the SHA-256 of the body');
+  const signed = await signRequest({ signingSecret: secret, method: method!, path: path!, body, timestamp: Number(timestamp), nonce: nonce! });
+  t.equal(signed.header, header, 'the header is the one the client library makes');
+  t.doesNotThrow(
+    () => verifySignature(header, { method: method!, path: path!, body: Buffer.from(body) }, signingKey(secret), Number(timestamp)),
+    'the gateway accepts it',
+  );
+});
+
+t.test("webhooks.md's signature example is what the gateway and standardwebhooks sign", async (t) => {
+  const text = await read('docs/webhooks.md');
+  const example = text.slice(text.indexOf('For example, with the secret'));
+  const secret = codeAfter(example, 'with the secret');
+  const id = codeAfter(example, 'the id');
+  const timestamp = Number(codeAfter(example, 'the timestamp'));
+  const body = blockAfter(example, 'the body');
+  const signature = codeAfter(example, 'the signature is');
+
+  t.equal(await signWebhook(secret, id, timestamp, body), signature, 'the signature is the one the gateway makes');
+  t.equal(new Webhook(secret).sign(id, new Date(timestamp * 1000), body), signature, 'standardwebhooks signs it alike');
 });
