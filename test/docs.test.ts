@@ -1,6 +1,8 @@
 // The documentation stays true to the code where a test can tell: docs/settings.md lists exactly
-// the variables src/config.ts reads, and every link between the repository's documents leads to a
-// file that exists and, for a #section, to a heading it has.
+// the variables src/config.ts reads, docs/operations.md exactly the metrics src/metrics.ts
+// defines (with their types and labels), the worked examples of signing.md and webhooks.md sign
+// as the code does, every link between the repository's documents leads to a file that exists
+// and, for a #section, to a heading it has, and no file sends a reader outside the repository.
 import { existsSync } from 'node:fs';
 import { readdir, readFile } from 'node:fs/promises';
 import path from 'node:path';
@@ -8,6 +10,7 @@ import { Webhook } from 'standardwebhooks';
 import t from 'tap';
 import { sha256Hex, signRequest, signWebhook } from '../src/client/index.ts';
 import { signingKey, verifySignature } from '../src/keys/signatures.ts';
+import { Metrics } from '../src/metrics.ts';
 
 const root = new URL('..', import.meta.url).pathname;
 const read = (file: string) => readFile(path.join(root, file), 'utf8');
@@ -112,4 +115,61 @@ t.test("webhooks.md's signature example is what the gateway and standardwebhooks
 
   t.equal(await signWebhook(secret, id, timestamp, body), signature, 'the signature is the one the gateway makes');
   t.equal(new Webhook(secret).sign(id, new Date(timestamp * 1000), body), signature, 'standardwebhooks signs it alike');
+});
+
+t.test("docs/operations.md's table of metrics has every metric the gateway defines, with its type and labels", async (t) => {
+  const metrics = new Metrics();
+  // The gauges a process adds for what it runs: all of them, as a process of role all with a worker.
+  metrics.watchWaiters({ size: 0 });
+  metrics.watchDispatcher({ inFlight: () => 0 });
+  metrics.watchAnswerMemory({ reserved: 0, waiting: 0 });
+  metrics.watchQueue(async () => []);
+  metrics.watchWebhooks(async () => 0);
+  const defined = new Map<string, { type: string; labels: string[] }>();
+  const defaults = new Set<string>();
+  for (const metric of metrics.registry.getMetricsAsArray() as unknown as { name: string; type: string; labelNames: string[] }[]) {
+    const prefix = /^gateway_(process|nodejs)_/.exec(metric.name);
+    if (prefix) defaults.add(`gateway_${prefix[1]}_*`);
+    else defined.set(metric.name, { type: metric.type, labels: [...metric.labelNames].sort() });
+  }
+  t.ok(defined.size >= 25, `${defined.size} metrics of the gateway's own`);
+
+  const operations = await read('docs/operations.md');
+  const section = operations.slice(operations.indexOf('\n## Metrics\n'), operations.indexOf('\n## ', operations.indexOf('\n## Metrics\n') + 1));
+  const documented = new Map<string, { type: string; labels: string[] }>();
+  for (const row of section.matchAll(/^\| `(gateway_[a-z_]+)` \| (\w*) \|([^|]*)\|/gm)) {
+    documented.set(row[1]!, { type: row[2]!, labels: [...row[3]!.matchAll(/`([a-z_]+)`/g)].map((label) => label[1]!).sort() });
+  }
+  t.same([...documented.keys()].sort(), [...defined.keys()].sort(), 'a row for each metric, and none other');
+  for (const [name, metric] of defined) {
+    if (documented.has(name)) t.same(documented.get(name), metric, `${name}: its type and labels`);
+  }
+  for (const prefix of defaults) t.match(section, `\`${prefix}\``, `prom-client's default metrics (${prefix}) are named`);
+});
+
+t.test('nothing in the repository sends a reader to documents outside it', async (t) => {
+  // The product's specification and the decisions behind it are kept beside the repository, not
+  // in it: users never see them, so no file may name them or their folder.
+  const outside = /\b(?:SPEC|CONTRACT)\.md\b|(?<![\w.-])shared\//i;
+  const skipped = new Set(['.git', 'node_modules', '.data', '.tap', 'dist']);
+  const files: string[] = [];
+  const walk = async (dir: string): Promise<void> => {
+    for (const entry of await readdir(path.join(root, dir), { withFileTypes: true })) {
+      const file = path.join(dir, entry.name);
+      if (entry.isDirectory()) {
+        if (!skipped.has(entry.name)) await walk(file);
+      } else if (/\.(md|ts|js|json|sql|ya?ml|sh)$|^Makefile$/.test(entry.name) && entry.name !== 'package-lock.json') {
+        files.push(file);
+      }
+    }
+  };
+  await walk('.');
+  t.ok(files.length >= 100, `${files.length} files read`);
+  const naming: string[] = [];
+  for (const file of files) {
+    (await read(file)).split('\n').forEach((line, index) => {
+      if (outside.test(line)) naming.push(`${file}:${index + 1}: ${line.trim()}`);
+    });
+  }
+  t.same(naming, [], 'no line names one');
 });
