@@ -1,14 +1,16 @@
 // The documentation stays true to the code where a test can tell: docs/settings.md lists exactly
-// the variables src/config.ts reads, docs/operations.md exactly the metrics src/metrics.ts
-// defines (with their types and labels), the worked examples of signing.md and webhooks.md sign
-// as the code does, every link between the repository's documents leads to a file that exists
-// and, for a #section, to a heading it has, and no file sends a reader outside the repository.
+// the variables src/config.ts reads, with the defaults and bounds it applies; docs/operations.md
+// exactly the metrics src/metrics.ts defines, with their types and labels; the worked examples of
+// signing.md and webhooks.md sign as the code does; every link between the repository's
+// documents leads to a file that exists and, for a #section, to a heading it has; and no file
+// sends a reader outside the repository.
 import { existsSync } from 'node:fs';
 import { readdir, readFile } from 'node:fs/promises';
 import path from 'node:path';
 import { Webhook } from 'standardwebhooks';
 import t from 'tap';
 import { sha256Hex, signRequest, signWebhook } from '../src/client/index.ts';
+import { ConfigError, loadConfig } from '../src/config.ts';
 import { signingKey, verifySignature } from '../src/keys/signatures.ts';
 import { Metrics } from '../src/metrics.ts';
 
@@ -172,4 +174,67 @@ t.test('nothing in the repository sends a reader to documents outside it', async
     });
   }
   t.same(naming, [], 'no line names one');
+});
+
+/** The rows of docs/settings.md's table: variable, default and accepted values, as written. */
+async function settingsRows(): Promise<{ name: string; fallback: string; accepted: string }[]> {
+  const settings = await read('docs/settings.md');
+  const table = settings.slice(settings.indexOf('\n## All settings\n'), settings.indexOf('\n## ', settings.indexOf('\n## All settings\n') + 1));
+  return [...table.matchAll(/^\| `([A-Z][A-Z0-9_]*)` \| ([^|]*) \| ([^|]*) \|/gm)].map((row) => ({
+    name: row[1]!,
+    fallback: row[2]!.trim(),
+    accepted: row[3]!.trim(),
+  }));
+}
+
+/** The problems loadConfig finds with `name`'s own value (not those of the checks across settings). */
+function ownProblems(name: string, value: string): string[] {
+  try {
+    loadConfig({ [name]: value });
+    return [];
+  } catch (error) {
+    if (!(error instanceof ConfigError)) throw error;
+    return error.message.split('\n').slice(1).map((line) => line.trim()).filter((line) => line.startsWith(`${name} must`) || line.startsWith(`${name}:`));
+  }
+}
+
+t.test("docs/settings.md's defaults and accepted values are the ones src/config.ts applies", async (t) => {
+  const rows = await settingsRows();
+  t.ok(rows.length >= 40, `${rows.length} settings`);
+  const defaults = loadConfig({});
+  for (const { name, fallback, accepted } of rows) {
+    // The default, set explicitly, changes nothing; (unset) is also what an empty value gives.
+    const literal = /^`([^`]+)`$/.exec(fallback)?.[1] ?? /^\(from `[A-Z_]+`: (\d+)\)$/.exec(fallback)?.[1];
+    if (fallback === '(unset)') {
+      t.same(loadConfig({ [name]: '' }), defaults, `${name}: empty is unset`);
+    } else if (literal !== undefined) {
+      t.same(loadConfig({ [name]: literal }), defaults, `${name}: ${literal} is the default`);
+      t.not(ownProblems(name, ''), [], `${name}: empty is refused`);
+    }
+    const range = /^(\d+) to (\d+)/.exec(accepted);
+    const atLeast = /^at least (\d+)$/.exec(accepted);
+    const durations = /^a duration, (\d+)([a-z]+) to (\d+)([a-z]+)$/.exec(accepted);
+    const choices = /^`[^`]+`(, `[^`]+`)+$/.test(accepted) ? [...accepted.matchAll(/`([^`]+)`/g)].map((match) => match[1]!) : undefined;
+    if (range || atLeast) {
+      const min = Number((range ?? atLeast)![1]);
+      t.same(ownProblems(name, String(min)), [], `${name}: ${min} is accepted`);
+      if (min > 0) t.not(ownProblems(name, String(min - 1)), [], `${name}: ${min - 1} is refused`);
+      if (range) {
+        const max = Number(range[2]);
+        t.same(ownProblems(name, String(max)), [], `${name}: ${max} is accepted`);
+        t.not(ownProblems(name, String(max + 1)), [], `${name}: ${max + 1} is refused`);
+      }
+    } else if (durations) {
+      const unit = { ms: 1, s: 1_000, m: 60_000, h: 3_600_000, d: 86_400_000 } as Record<string, number>;
+      const min = Number(durations[1]) * unit[durations[2]!]!;
+      const max = Number(durations[3]) * unit[durations[4]!]!;
+      t.same(ownProblems(name, `${durations[1]}${durations[2]}`), [], `${name}: ${durations[1]}${durations[2]} is accepted`);
+      t.not(ownProblems(name, String(min - 1)), [], `${name}: ${min - 1} ms is refused`);
+      t.same(ownProblems(name, `${durations[3]}${durations[4]}`), [], `${name}: ${durations[3]}${durations[4]} is accepted`);
+      t.not(ownProblems(name, String(max + 1)), [], `${name}: ${max + 1} ms is refused`);
+    } else if (choices) {
+      for (const choice of choices) t.same(ownProblems(name, choice), [], `${name}: ${choice} is accepted`);
+      t.not(ownProblems(name, 'other'), [], `${name}: another value is refused`);
+    }
+  }
 });
