@@ -69,9 +69,9 @@ const LEADING = [
   'test/worker/upstream-outcomes.test.ts',
 ];
 
-/** Files of `tap.serial` that keep both cores busy: the last of the second round's (above). */
+/** Files of `tap.serial` that keep both cores busy: the last of the third round's (above). */
 const LOADED = ['test/faults/3-postgres-outage.test.ts', 'test/requests/lookup-memory.test.ts'];
-/** Files of `tap.serial` that nothing may run beside: the third round (above). */
+/** Files of `tap.serial` that nothing may run beside: the fourth round (above). */
 const ALONE = ['test/db/replanning.test.ts', 'test/faults/8-noisy-neighbour.test.ts'];
 
 const config = loadConfig();
