@@ -3,12 +3,23 @@
 import { sql } from 'kysely';
 import type { Db } from '../db/pool.ts';
 
-/** Deletes up to `limit` finished requests created before `cutoffId` (and their attempts). */
+/**
+ * Deletes up to `limit` finished requests created before `cutoffId` (with their attempts and
+ * webhook messages). A request with a webhook message not finished yet (a try due or under way)
+ * is kept until it is: a request that ended late in its life (a long deadline) may still have
+ * tries to make, and deleting it would delete its event with them. A message of a disabled
+ * endpoint (410) holds nothing back: it will never be sent.
+ */
 export async function deleteFinishedBefore(db: Db, cutoffId: string, limit: number): Promise<number> {
   const { rows } = await sql<{ deleted: string }>`
     with doomed as (
       select id from gateway.requests
       where id < ${cutoffId} and status in ('completed', 'failed', 'cancelled')
+        and not exists (
+          select from gateway.webhook_messages as messages
+          join gateway.webhook_endpoints as endpoints on endpoints.id = messages.endpoint_id
+          where messages.request_id = requests.id and messages.finished_at is null and endpoints.disabled_at is null
+        )
       order by id
       limit ${limit}
       for update skip locked

@@ -1,7 +1,8 @@
 // Cron task: keeps the database from growing without bound. Deletes finished requests (and
-// their attempts) created more than RETENTION_DAYS ago, which frees their idempotency keys;
-// with BODY_RETENTION_HOURS set, drops the message bodies of finished requests older than that
-// while keeping their records. Small batches, each its own short transaction.
+// their attempts and webhook messages, once those are delivered or given up) created more than
+// RETENTION_DAYS ago, which frees their idempotency keys; with BODY_RETENTION_HOURS set, drops
+// the message bodies of finished requests older than that while keeping their records. Small
+// batches, each its own short transaction.
 import type { Task } from 'graphile-worker';
 import type { Config } from '../config.ts';
 import type { Db } from '../db/pool.ts';

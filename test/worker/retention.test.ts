@@ -7,6 +7,8 @@ import { retentionTask } from '../../src/worker/retention.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { plantRequest } from '../helpers/populate.ts';
+import { requestRow } from '../helpers/rows.ts';
+import { addTestEndpoint, messagesOf } from '../webhooks/support.ts';
 
 const DAY = 24 * 3_600_000;
 const silent = createLogger({ logLevel: 'silent' });
@@ -114,4 +116,38 @@ t.test('BODY_RETENTION_HOURS: a request unfinished for a day past the cutoff no 
   t.same(rows, [{ id: stuck.id, kept: true }, { id: after.id, kept: false }], 'passed over, its body kept; the rest go on');
   const cursor = await gateway.pool.query(`select last_request_id from gateway.retention_cursors where task = 'drop_bodies'`);
   t.equal(cursor.rows[0].last_request_id, after.id);
+});
+
+t.test('a finished request past RETENTION_DAYS whose webhook events are not delivered yet stays until they are', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  await addTestEndpoint(gateway, { url: 'http://127.0.0.1:9/hooks' });
+  const gone = await addTestEndpoint(gateway, { url: 'http://127.0.0.1:9/gone' });
+  // Accepted 31 days ago and failed only now (a deadline of 30 days): its event is to be sent.
+  const late = await plantRequest(gateway, key, { status: 'processing', ageMs: 31 * DAY, attempts: [{ outcome: 'running' }] });
+  const toDisabled = await plantRequest(gateway, key, { status: 'processing', ageMs: 31 * DAY, attempts: [{ outcome: 'running' }] });
+  await gateway.pool.query(
+    `update gateway.requests set status = 'failed', last_error_code = 'deadline_exceeded', finished_at = now(), updated_at = now()
+     where id = any($1)`,
+    [[late.id, toDisabled.id]],
+  );
+  // An endpoint disabled (410) never sends its pending events: they hold nothing back.
+  await gateway.pool.query(`delete from gateway.webhook_messages where request_id = $1 and endpoint_id <> $2`, [toDisabled.id, gone.id]);
+  await gateway.pool.query(`delete from gateway.webhook_messages where request_id = $1 and endpoint_id = $2`, [late.id, gone.id]);
+  await gateway.pool.query(`update gateway.webhook_endpoints set disabled_at = now(), disabled_reason = '410' where id = $1`, [gone.id]);
+  const [message] = await messagesOf(gateway.db, late.id);
+  t.match(message, { event_type: 'request.failed', status: 'pending' });
+  const task = retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: undefined }, logger: silent });
+
+  await task({}, {} as never);
+  t.equal(await requestRow(gateway.db, toDisabled.id), undefined, 'its event pending for a disabled endpoint: deleted');
+  t.match(await requestRow(gateway.db, late.id), { status: 'failed' }, 'kept while its event waits for its tries');
+  t.match(await messagesOf(gateway.db, late.id), [{ id: message!.id, status: 'pending' }], 'its event too');
+
+  await gateway.pool.query(`update gateway.webhook_messages set status = 'delivered', next_try_at = null, finished_at = now() where id = $1`, [
+    message!.id,
+  ]);
+  await task({}, {} as never);
+  t.equal(await requestRow(gateway.db, late.id), undefined, 'deleted once its event is delivered');
+  t.same(await messagesOf(gateway.db), []);
 });
