@@ -47,9 +47,13 @@ export function newRequestId(now = Date.now()): string {
   return `req_${base62Fixed(now, 8)}${randomBase62(18)}`;
 }
 
-/** The smallest id of a request created at `ms`: every request created earlier sorts below it. */
+/**
+ * The smallest id of a request created at `ms`: every request created earlier sorts below it. A
+ * time before 1970 (a retention of more years than have passed since) has the floor of 1970,
+ * below every id: base62Fixed takes no negative number.
+ */
 export function requestIdFloor(ms: number): string {
-  return `req_${base62Fixed(ms, 8)}`;
+  return `req_${base62Fixed(Math.max(0, ms), 8)}`;
 }
 
 export type KeyMode = 'live' | 'test';

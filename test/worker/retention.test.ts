@@ -151,3 +151,18 @@ t.test('a finished request past RETENTION_DAYS whose webhook events are not deli
   t.equal(await requestRow(gateway.db, late.id), undefined, 'deleted once its event is delivered');
   t.same(await messagesOf(gateway.db), []);
 });
+
+t.test('the longest retentions the settings take keep every finished request and body', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const planted = [
+    await plantRequest(gateway, key, { status: 'completed', ageMs: 40 * DAY, attempts: [{ outcome: 'succeeded' }] }),
+    await plantRequest(gateway, key, { status: 'failed', ageMs: DAY, attempts: [{ outcome: 'failed', code: 'upstream_bad_request' }] }),
+    await plantRequest(gateway, key, { status: 'completed', ageMs: 60_000 }),
+  ];
+  // 36500 days (RETENTION_DAYS's largest) and a million hours reach back before 1970.
+  await retentionTask({ db: gateway.db, config: { retentionDays: 36_500, bodyRetentionHours: 1_000_000 }, logger: silent })({}, {} as never);
+
+  const { rows } = await gateway.pool.query('select id, body is not null as kept from gateway.requests order by id');
+  t.same(rows, planted.map((request) => ({ id: request.id, kept: true })), 'every request stays, with its body');
+});
