@@ -30,7 +30,9 @@ export function retentionTask(deps: {
 
     let dropped = 0;
     if (deps.config.bodyRetentionHours !== undefined) {
-      const bodyCutoffMs = now - deps.config.bodyRetentionHours * HOUR_MS;
+      // (No earlier than 1970, before every request: a setting of more hours than have passed
+      // since would make holdSince a time no Date holds.)
+      const bodyCutoffMs = Math.max(0, now - deps.config.bodyRetentionHours * HOUR_MS);
       // A request still unfinished a day past the cutoff no longer holds the task back.
       const holdSince = new Date(bodyCutoffMs - DAY_MS);
       for (let more = true; more; ) {

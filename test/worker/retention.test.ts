@@ -2,6 +2,7 @@
 // idempotency keys freed); nothing unfinished or younger is touched; BODY_RETENTION_HOURS
 // drops bodies and keeps records.
 import t from 'tap';
+import { loadConfig } from '../../src/config.ts';
 import { createLogger } from '../../src/logger.ts';
 import { retentionTask } from '../../src/worker/retention.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
@@ -165,4 +166,16 @@ t.test('the longest retentions the settings take keep every finished request and
 
   const { rows } = await gateway.pool.query('select id, body is not null as kept from gateway.requests order by id');
   t.same(rows, planted.map((request) => ({ id: request.id, kept: true })), 'every request stays, with its body');
+});
+
+t.test('BODY_RETENTION_HOURS at the largest value the settings take: the task runs, and keeps the bodies', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const old = await plantRequest(gateway, key, { status: 'completed', ageMs: 10 * DAY, attempts: [{ outcome: 'succeeded' }] });
+  const hours = loadConfig({ BODY_RETENTION_HOURS: String(Number.MAX_SAFE_INTEGER) }).bodyRetentionHours;
+  t.equal(hours, Number.MAX_SAFE_INTEGER, 'a value the settings accept');
+
+  await retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: hours }, logger: silent })({}, {} as never);
+  const { rows } = await gateway.pool.query('select body is not null as kept from gateway.requests where id = $1', [old.id]);
+  t.same(rows, [{ kept: true }]);
 });
