@@ -1,5 +1,6 @@
-// The worker's chores (deadlines, pruning, rescues) work through what they find a batch at a
-// time, each batch one statement, so that none holds its locks or the database for long.
+// The worker's chores (deadlines, pruning, rescues, retention, nonces) work through what they
+// find a batch at a time, each batch one statement, so that none holds its locks or the database
+// for long.
 
 /**
  * Runs `take`, which handles up to `size` rows and says how many it handled, again while it

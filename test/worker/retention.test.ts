@@ -4,6 +4,7 @@
 import t from 'tap';
 import { loadConfig } from '../../src/config.ts';
 import { createLogger } from '../../src/logger.ts';
+import { cleanupNoncesTask } from '../../src/worker/cleanup-nonces.ts';
 import { retentionTask } from '../../src/worker/retention.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
@@ -178,4 +179,33 @@ t.test('BODY_RETENTION_HOURS at the largest value the settings take: the task ru
   await retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: hours }, logger: silent })({}, {} as never);
   const { rows } = await gateway.pool.query('select body is not null as kept from gateway.requests where id = $1', [old.id]);
   t.same(rows, [{ kept: true }]);
+});
+
+t.test('a worker stopping ends the retention and the nonce cleanup between two batches', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  await gateway.pool.query(
+    `insert into gateway.requests (id, project_id, mode, api_key_id, status, attempts, model, body, body_sha256, result, created_at, finished_at)
+     select 'req_00000' || lpad(n::text, 21, '0'), project_id, 'test', id, 'completed', 1, 'm', '{}', '\\x00', '{}', now() - interval '60 days', now() - interval '60 days'
+     from gateway.api_keys, generate_series(1, 2500) as n where id = $1`,
+    [key.id],
+  );
+  await gateway.pool.query(
+    `insert into gateway.signature_nonces (api_key_id, nonce, expires_at)
+     select $1, 'nonce' || lpad(n::text, 16, '0'), now() - interval '1 hour' from generate_series(1, 12000) as n`,
+    [key.id],
+  );
+  const count = async (table: string) => Number((await gateway.pool.query(`select count(*) from gateway.${table}`)).rows[0].count);
+  // graphile-worker aborts its jobs' signal when the pool is stopping and SHUTDOWN_GRACE_MS is over.
+  const stopping = { abortSignal: AbortSignal.abort() } as never;
+  await retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: 2 }, logger: silent })({}, stopping);
+  await cleanupNoncesTask({ db: gateway.db, logger: silent })({}, stopping);
+  t.ok((await count('requests')) > 0, 'the retention left the rest to its next run');
+  t.ok((await count('signature_nonces')) > 0, 'the nonce cleanup too');
+
+  const going = { abortSignal: new AbortController().signal } as never;
+  await retentionTask({ db: gateway.db, config: { retentionDays: 30, bodyRetentionHours: 2 }, logger: silent })({}, going);
+  await cleanupNoncesTask({ db: gateway.db, logger: silent })({}, going);
+  t.equal(await count('requests'), 0, 'a run not stopped does it all');
+  t.equal(await count('signature_nonces'), 0);
 });
