@@ -141,3 +141,20 @@ t.test('000020: a database that ran 000015 in its first form (claim_queue with s
   await migrate(pool, silent);
   t.same(await signatures(), fresh, 'after 000020 it has the nine-argument one, and not the seven-argument one');
 });
+
+t.test('000019: a database that applied its first text (the one Postgres 13 could not run) is current to gateway migrate and to a process at start', async (t) => {
+  const databaseUrl = await createTestDatabase(t);
+  const pool = createPool(databaseUrl, { max: 2, applicationName: 'migrations-test', logger: silent });
+  t.teardown(() => pool.end());
+  // The SHA-256 of that text (git show 402b25f:sql/000019.sql).
+  await pool.query(`update gateway.migrations set sha256 = '\\xad9180a6d8ff5428a5b649d5b2807775d7bdce54b3d5458457ba863a7a28ebea' where id = 19`);
+
+  await assertMigrationsUnchanged(pool);
+  await migrate(pool, silent);
+  t.pass('the start-up check and gateway migrate accept it');
+  const { rows } = await pool.query<{ sha256: Buffer }>('select sha256 from gateway.migrations where id = 19');
+  t.equal(rows[0]!.sha256.toString('hex'), 'ad9180a6d8ff5428a5b649d5b2807775d7bdce54b3d5458457ba863a7a28ebea', 'its record still says what it applied');
+
+  await pool.query(`update gateway.migrations set sha256 = sha256('another text') where id = 19`);
+  await t.rejects(migrate(pool, silent), { name: 'MigrationChangedError', file: '000019.sql' }, 'any other text of 000019 is refused');
+});
