@@ -1,7 +1,8 @@
-// The HTTP surface around the two endpoints: health checks, unknown routes and methods, and
-// a 500 that reveals nothing.
+// The HTTP surface around the two endpoints: health checks, unknown routes and methods,
+// requests that Node's HTTP server would answer itself, and a 500 that reveals nothing.
 import t from 'tap';
 import http from 'node:http';
+import net from 'node:net';
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
@@ -107,6 +108,44 @@ t.test('unknown routes are 404 route_not_found; wrong methods 405 method_not_all
     t.equal(answer.body.error.code, 'method_not_allowed');
     t.equal(answer.body.error.type, 'invalid_request_error');
   }
+});
+
+/** Writes `text` on a new connection and reads until the server closes it (or 3 s pass). */
+function sendRaw(baseUrl: string, text: string): Promise<{ status: number; headers: string; body: any }> {
+  const url = new URL(baseUrl);
+  return new Promise((resolve) => {
+    const socket = net.connect(Number(url.port), url.hostname);
+    const chunks: Buffer[] = [];
+    const finish = () => {
+      clearTimeout(timer);
+      socket.destroy();
+      const answer = Buffer.concat(chunks).toString('utf8');
+      const head = answer.indexOf('\r\n\r\n');
+      let body: unknown = answer.slice(head + 4);
+      try {
+        body = JSON.parse(body as string);
+      } catch {}
+      resolve({ status: Number(/^HTTP\/1\.1 (\d{3})/.exec(answer)?.[1] ?? 0), headers: answer.slice(0, head + 2), body });
+    };
+    const timer = setTimeout(finish, 3_000);
+    socket.on('data', (chunk: Buffer) => chunks.push(chunk));
+    socket.on('error', () => {});
+    socket.on('close', finish);
+    socket.write(text);
+  });
+}
+
+t.test('an HTTP/1.1 request without Host is a 400 invalid_body in the contract\'s shape, and its connection closed', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  for (const request of ['GET /healthz HTTP/1.1\r\n\r\n', 'POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}']) {
+    const answer = await sendRaw(gateway.url, request);
+    t.equal(answer.status, 400, request.slice(0, request.indexOf('\r')));
+    t.match(answer.headers, /\r\ncontent-type: application\/json; charset=utf-8\r\n/i);
+    t.match(answer.headers, /\r\nconnection: close\r\n/i);
+    t.same(answer.body, { error: { message: answer.body?.error?.message, type: 'invalid_request_error', code: 'invalid_body', param: null } });
+  }
+  t.same((await sendRaw(gateway.url, 'GET /healthz HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n')).body, { status: 'ok' }, 'with Host, it is served');
+  t.same((await sendRaw(gateway.url, 'GET /healthz HTTP/1.0\r\n\r\n')).body, { status: 'ok' }, 'as HTTP/1.0 without Host');
 });
 
 t.test('an internal failure is a 500 internal_error that reveals nothing, and is logged', async (t) => {

@@ -81,17 +81,35 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
       // closes, as it wakes, the connections its clients reused meanwhile, unread requests and all.
       keepAliveTimeout: KEEP_ALIVE_TIMEOUT_MS,
       maxHeaderSize: 16 * 1024,
+      // Node answers an HTTP/1.1 request without Host itself, with an empty 400: it is answered
+      // below, in the contract's shape.
+      requireHostHeader: false,
     },
     (request, response) => {
       if (state.closing) response.shouldKeepAlive = false;
       state.unanswered.add(response);
       response.once('close', () => state.unanswered.delete(response));
+      if (request.httpVersion === '1.1' && request.headers.host === undefined) {
+        refuse(response, invalidRequest('invalid_body', 'The request is not valid HTTP/1.1: it has no Host header.'));
+        return;
+      }
       handler(request, response);
     },
   );
   server.maxHeadersCount = 100;
   server.on('clientError', answerClientError);
   return server;
+}
+
+/** Answers a request the app is not given with an error, and closes its connection. */
+function refuse(response: http.ServerResponse, error: ApiError): void {
+  const body = JSON.stringify(error.toBody());
+  response.shouldKeepAlive = false;
+  response.writeHead(error.status, {
+    'content-type': 'application/json; charset=utf-8',
+    'content-length': Buffer.byteLength(body),
+  });
+  response.end(body);
 }
 
 /** Resolves with the server once it listens; rejects with the error of a listen that failed. */
