@@ -148,6 +148,18 @@ t.test('an HTTP/1.1 request without Host is a 400 invalid_body in the contract\'
   t.same((await sendRaw(gateway.url, 'GET /healthz HTTP/1.0\r\n\r\n')).body, { status: 'ok' }, 'as HTTP/1.0 without Host');
 });
 
+t.test('an Expect other than 100-continue is ignored: the request is served as without it', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const health = await sendRaw(gateway.url, 'GET /healthz HTTP/1.1\r\nHost: gateway\r\nExpect: 200-ok\r\nConnection: close\r\n\r\n');
+  t.same([health.status, health.body], [200, { status: 'ok' }]);
+  const submission = await sendRaw(
+    gateway.url,
+    'POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nExpect: 200-ok\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}',
+  );
+  t.equal(submission.status, 401);
+  t.equal(submission.body?.error?.code, 'missing_api_key', 'a submission without a key, refused in the contract\'s shape');
+});
+
 t.test('an internal failure is a 500 internal_error that reveals nothing, and is logged', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const client = clientFor(gateway.url, await gateway.createKey());

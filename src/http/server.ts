@@ -69,6 +69,16 @@ export async function listen(handler: http.RequestListener, port: number, host: 
 }
 
 function createServer(handler: http.RequestListener, state: ServerState): http.Server {
+  const onRequest: http.RequestListener = (request, response) => {
+    if (state.closing) response.shouldKeepAlive = false;
+    state.unanswered.add(response);
+    response.once('close', () => state.unanswered.delete(response));
+    if (request.httpVersion === '1.1' && request.headers.host === undefined) {
+      refuse(response, invalidRequest('invalid_body', 'The request is not valid HTTP/1.1: it has no Host header.'));
+      return;
+    }
+    handler(request, response);
+  };
   const server = http.createServer(
     {
       // Hostile or broken clients may not hold a socket open without sending a request.
@@ -85,17 +95,11 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
       // below, in the contract's shape.
       requireHostHeader: false,
     },
-    (request, response) => {
-      if (state.closing) response.shouldKeepAlive = false;
-      state.unanswered.add(response);
-      response.once('close', () => state.unanswered.delete(response));
-      if (request.httpVersion === '1.1' && request.headers.host === undefined) {
-        refuse(response, invalidRequest('invalid_body', 'The request is not valid HTTP/1.1: it has no Host header.'));
-        return;
-      }
-      handler(request, response);
-    },
+    onRequest,
   );
+  // An Expect other than 100-continue is ignored (RFC 9110 allows it), and the request served as
+  // any other: Node would answer it itself with an empty 417, a status outside the contract.
+  server.on('checkExpectation', onRequest);
   server.maxHeadersCount = 100;
   server.on('clientError', answerClientError);
   return server;
