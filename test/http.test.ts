@@ -160,6 +160,40 @@ t.test('an Expect other than 100-continue is ignored: the request is served as w
   t.equal(submission.body?.error?.code, 'missing_api_key', 'a submission without a key, refused in the contract\'s shape');
 });
 
+t.test('CONNECT is a 405 method_not_allowed in the contract\'s shape, and its connection closed', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  for (const target of ['example.com:443', '/v1/chat/completions']) {
+    const answer = await sendRaw(gateway.url, `CONNECT ${target} HTTP/1.1\r\nHost: ${target}\r\n\r\n`);
+    t.equal(answer.status, 405, target);
+    t.match(answer.headers, /\r\ncontent-type: application\/json; charset=utf-8\r\n/i);
+    t.match(answer.headers, /\r\nconnection: close\r\n/i);
+    t.same(answer.body, { error: { message: answer.body?.error?.message, type: 'invalid_request_error', code: 'method_not_allowed', param: null } });
+  }
+});
+
+t.test('a connection answered outside the app (not HTTP, CONNECT) is closed even if its client keeps its side open', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const url = new URL(gateway.url);
+  for (const request of ['GET / HTTP/9.9\r\n\r\n', 'CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n']) {
+    // A client that never ends its side: only a write tells it whether the gateway's side is gone.
+    const socket = net.connect({ port: Number(url.port), host: url.hostname, allowHalfOpen: true });
+    let answer = '';
+    let closed = false;
+    socket.on('data', (data: Buffer) => (answer += data.toString('latin1')));
+    socket.on('error', () => {});
+    socket.on('close', () => (closed = true));
+    socket.write(request);
+    const giveUpAt = Date.now() + 15_000;
+    while (!closed && Date.now() < giveUpAt) {
+      await sleep(500);
+      if (!closed) socket.write('x');
+    }
+    socket.destroy();
+    t.match(answer, /^HTTP\/1\.1 40[05] /, `${request.slice(0, request.indexOf('\r'))}: answered`);
+    t.ok(closed, `${request.slice(0, request.indexOf('\r'))}: the gateway let go of the connection`);
+  }
+});
+
 t.test('an internal failure is a 500 internal_error that reveals nothing, and is logged', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const client = clientFor(gateway.url, await gateway.createKey());

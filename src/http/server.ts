@@ -7,7 +7,7 @@ import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { Duplex } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { ApiError, invalidRequest } from '../errors.ts';
+import { ApiError, invalidRequest, methodNotAllowed } from '../errors.ts';
 
 /** How long the server keeps an idle keep-alive connection open. */
 export const KEEP_ALIVE_TIMEOUT_MS = 65_000;
@@ -100,6 +100,9 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
   // An Expect other than 100-continue is ignored (RFC 9110 allows it), and the request served as
   // any other: Node would answer it itself with an empty 417, a status outside the contract.
   server.on('checkExpectation', onRequest);
+  // No route takes CONNECT, which Node hands to no request listener: unheard, it would close the
+  // connection without a word.
+  server.on('connect', (_request: http.IncomingMessage, socket: Duplex) => endWith(socket, methodNotAllowed()));
   server.maxHeadersCount = 100;
   server.on('clientError', answerClientError);
   return server;
@@ -148,16 +151,32 @@ function answerClientError(error: Error & { code?: string }, socket: Duplex): vo
     socket.end();
     return;
   }
-  const apiError =
+  endWith(
+    socket,
     error.code === 'HPE_HEADER_OVERFLOW'
       ? new ApiError(413, 'invalid_request_error', 'request_too_large', 'The request headers are too large.')
-      : invalidRequest('invalid_body', 'The request is not valid HTTP/1.1.');
+      : invalidRequest('invalid_body', 'The request is not valid HTTP/1.1.'),
+  );
+}
+
+/** How long a socket answered by endWith is kept for its client to close its side. */
+const CLOSING_GRACE_MS = 5_000;
+
+/**
+ * Writes the error as a whole HTTP answer on a socket no ServerResponse holds, and closes it:
+ * once the client closes its side, or after CLOSING_GRACE_MS (the server's sockets stay half
+ * open, and no timeout of the server counts for a socket it has handed over).
+ */
+function endWith(socket: Duplex, apiError: ApiError): void {
   const body = JSON.stringify(apiError.toBody());
   socket.end(
     `HTTP/1.1 ${apiError.status} ${http.STATUS_CODES[apiError.status]}\r\n` +
       `content-type: application/json; charset=utf-8\r\ncontent-length: ${Buffer.byteLength(body)}\r\n` +
       `connection: close\r\n\r\n${body}`,
   );
+  const timer = setTimeout(() => socket.destroy(), CLOSING_GRACE_MS);
+  timer.unref();
+  socket.once('close', () => clearTimeout(timer));
 }
 
 /** How long a close waits at most for answers written but not yet sent in full (closeServer). */
