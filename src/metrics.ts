@@ -9,6 +9,22 @@ const PREFIX = 'gateway_';
 /** How long a gauge read from the database (the queue, webhooks) answers every scrape. */
 const DATABASE_GAUGE_TTL_MS = 5_000;
 
+/**
+ * A gauge's read from the database, shared as sharedRead shares it, its failure too (undefined,
+ * kept as long as a figure): while the database is out of reach, the gauge keeps its last figure
+ * and a scrape answers with every other metric, which an outage is when they are wanted most;
+ * nor does a flood of scrapes try the database more than once per ttlMs.
+ */
+function gaugeRead<T>(read: () => Promise<T>, ttlMs: number): () => Promise<T | undefined> {
+  return sharedRead(async () => {
+    try {
+      return await read();
+    } catch {
+      return undefined;
+    }
+  }, ttlMs);
+}
+
 export class Metrics {
   readonly registry = new client.Registry();
   readonly #databaseGaugeTtlMs: number;
@@ -220,7 +236,7 @@ export class Metrics {
    * scrapes: see sharedRead) and the same figure in every process: aggregate it with max, not sum.
    */
   watchQueue(readQueue: () => Promise<readonly { status: string; mode: string; count: number }[]>): void {
-    const read = sharedRead(readQueue, this.#databaseGaugeTtlMs);
+    const read = gaugeRead(readQueue, this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}requests`,
       help: 'Requests not finished yet (the queue), by status and mode, as the database has them.',
@@ -230,6 +246,7 @@ export class Metrics {
       registers: [this.registry],
       async collect() {
         const rows = await read();
+        if (rows === undefined) return;
         this.reset();
         for (const status of ['queued', 'processing', 'retrying']) {
           for (const mode of ['live', 'test']) {
@@ -248,14 +265,15 @@ export class Metrics {
    * process: aggregate it with max.
    */
   watchWebhooks(readOldestAge: () => Promise<number>): void {
-    const read = sharedRead(readOldestAge, this.#databaseGaugeTtlMs);
+    const read = gaugeRead(readOldestAge, this.#databaseGaugeTtlMs);
     new client.Gauge({
       name: `${PREFIX}webhook_oldest_pending_seconds`,
       help: 'Age of the oldest webhook message not yet delivered (nor given up), as the database has it; 0 when there is none.',
       aggregator: 'max',
       registers: [this.registry],
       async collect() {
-        this.set(Math.max(0, await read()));
+        const age = await read();
+        if (age !== undefined) this.set(Math.max(0, age));
       },
     });
   }

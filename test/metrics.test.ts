@@ -1,17 +1,20 @@
 // GET /metrics (Prometheus): after a known mix of requests, every family has the right counts,
 // no label carries a key, secret or project; it is served on METRICS_PORT, or on PORT only
 // behind METRICS_TOKEN, and never otherwise; the gauges read from the database cost one read
-// per few seconds however often they are scraped.
+// per few seconds however often they are scraped, and keep their last figures while it is out
+// of reach.
 import t from 'tap';
 import { createDb, createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
 import { Metrics } from '../src/metrics.ts';
 import { countUnfinishedByStatus } from '../src/requests/inspection.ts';
 import { oldestUnfinishedMessageAge } from '../src/webhooks/repository.ts';
+import { createTestDatabase } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
 import { parseMetrics } from './helpers/metrics.ts';
 import { isTerminal, waitForRow } from './helpers/rows.ts';
+import { startTcpProxy } from './helpers/tcp-proxy.ts';
 import { completionFor, startFakeUpstream } from './helpers/upstream.ts';
 import { until } from './helpers/wait.ts';
 
@@ -180,4 +183,27 @@ t.test('the gauges read from the database are read once per few seconds, by one 
   await new Promise((resolve) => setTimeout(resolve, 1_100));
   t.equal(parseMetrics(await metrics.render()).get('gateway_requests{status="queued",mode="test"}'), 2, 'read again once it is old');
   t.equal(reads, 4);
+});
+
+t.test('with the database out of reach, /metrics still answers every metric, the gauges read from it with their last figures', async (t) => {
+  const proxy = await startTcpProxy(t, await createTestDatabase(t));
+  const gateway = await startTestGateway(t, { role: 'api', databaseUrl: proxy.url, env: { METRICS_TOKEN: 'scrape-token-789' } });
+  await clientFor(gateway.url, await gateway.createKey()).post({ model: 'test-echo', messages: userMessage() });
+  const scrapeWithToken = () => send(gateway.url, { path: '/metrics', headers: { authorization: 'Bearer scrape-token-789' } });
+  const before = parseMetrics((await scrapeWithToken()).text);
+  t.equal(before.get('gateway_requests{status="queued",mode="test"}'), 1);
+
+  proxy.cut();
+  t.equal((await send(gateway.url, { path: '/readyz' })).status, 503, 'the database is out of reach');
+  // Past the 5 s for which a gauge's figure is kept: the next scrape reads the database again.
+  await new Promise((resolve) => setTimeout(resolve, 5_100));
+  for (let i = 0; i < 2; i++) {
+    const during = await scrapeWithToken();
+    t.equal(during.status, 200, `scrape ${i + 1} during the outage answers`);
+    const samples = parseMetrics(during.text);
+    t.ok(samples.get('gateway_http_requests_total{method="GET",route="/readyz",status="503"}'), 'with the process\'s own metrics');
+    t.equal(samples.get('gateway_requests{status="queued",mode="test"}'), 1, 'and the queue as last read');
+    t.equal(samples.get('gateway_webhook_oldest_pending_seconds'), before.get('gateway_webhook_oldest_pending_seconds'));
+  }
+  t.notOk(gateway.logs.some((line) => line.includes('unhandled')), 'nothing unhandled');
 });
