@@ -171,6 +171,35 @@ t.test('CONNECT is a 405 method_not_allowed in the contract\'s shape, and its co
   }
 });
 
+t.test('a request answered before its body is read (refused at once) has its connection closed if the rest keeps coming', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { MAX_BODY_BYTES: '65536' } });
+  const key = await gateway.createKey();
+  const url = new URL(gateway.url);
+  const chunk = Buffer.alloc(16_384, 'a');
+  const cases = [
+    ['no key, 1 GB announced', 'Content-Length: 1000000000', chunk, 401],
+    ['a key, a chunked body past MAX_BODY_BYTES', `Authorization: Bearer ${key.api_key}\r\nTransfer-Encoding: chunked`, Buffer.from(`4000\r\n${chunk}\r\n`), 413],
+  ] as const;
+  for (const [name, headers, piece, status] of cases) {
+    // The body is sent at about 1.6 MB/s, as long as the connection takes it, for 20 s at most.
+    const socket = net.connect(Number(url.port), url.hostname);
+    let answer = '';
+    let closed = false;
+    socket.on('data', (data: Buffer) => (answer += data.toString('latin1')));
+    socket.on('error', () => {});
+    socket.on('close', () => (closed = true));
+    socket.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n${headers}\r\n\r\n`);
+    const giveUpAt = Date.now() + 20_000;
+    while (!closed && Date.now() < giveUpAt) {
+      socket.write(piece);
+      await sleep(10);
+    }
+    socket.destroy();
+    t.match(answer, new RegExp(`^HTTP/1\\.1 ${status} `), `${name}: answered ${status}`);
+    t.ok(closed, `${name}: the gateway closed the connection rather than read the body on`);
+  }
+});
+
 t.test('a connection answered outside the app (not HTTP, CONNECT) is closed even if its client keeps its side open', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const url = new URL(gateway.url);

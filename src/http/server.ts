@@ -77,6 +77,9 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
       refuse(response, invalidRequest('invalid_body', 'The request is not valid HTTP/1.1: it has no Host header.'));
       return;
     }
+    response.once('finish', () => {
+      if (!request.complete) closeUnlessComplete(request, BODY_AFTER_ANSWER_MS);
+    });
     handler(request, response);
   };
   const server = http.createServer(
@@ -106,6 +109,31 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
   server.maxHeadersCount = 100;
   server.on('clientError', answerClientError);
   return server;
+}
+
+/**
+ * How long the rest of a request's body may take to arrive once the request has been answered
+ * (closeUnlessComplete).
+ */
+const BODY_AFTER_ANSWER_MS = 5_000;
+
+/**
+ * A request answered before its body was read to its end (refused at once: a bad key, a body
+ * too large, a rate limit) leaves the rest of its body on the connection. Node reads it all off
+ * and throws it away, to keep the connection for the next request, however much is announced and
+ * however slowly it comes, and requestTimeout no longer counts once the answer is sent (a body
+ * the app stopped reading, paused, holds the connection as long as it is not idle). The rest is
+ * given `ms`: a body still coming then has its connection closed. Closing it at once would not
+ * do: a client still sending would get a reset, which may lose it the answer.
+ */
+function closeUnlessComplete(request: http.IncomingMessage, ms: number): void {
+  const timer = setTimeout(() => request.socket.destroy(), ms);
+  timer.unref();
+  const done = () => clearTimeout(timer);
+  request.once('end', done);
+  request.socket.once('close', done);
+  // A body the app stopped reading (past MAX_BODY_BYTES) is read off and thrown away too.
+  if (request.isPaused()) request.resume();
 }
 
 /** Answers a request the app is not given with an error, and closes its connection. */
