@@ -89,7 +89,7 @@ t.test('a look that finds no pooled connection free in time (overload) makes /re
   await until(async () => (await send(url, { path: '/readyz' })).status === 200, 'ready once a connection is free', 3_000);
 });
 
-t.test('unknown routes are 404 route_not_found; wrong methods 405 method_not_allowed', async (t) => {
+t.test('unknown routes are 404 route_not_found; wrong methods 405 method_not_allowed, with the methods the path takes', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
   for (const path of ['/', '/v1', '/v2/chat/completions', '/v1/chat/completions/extra', '/v1/requests']) {
@@ -97,17 +97,23 @@ t.test('unknown routes are 404 route_not_found; wrong methods 405 method_not_all
     t.equal(answer.status, 404, `${path}: 404`);
     t.same(answer.body.error, { message: answer.body.error.message, type: 'not_found_error', code: 'route_not_found', param: null });
   }
-  for (const [method, path] of [
-    ['GET', '/v1/chat/completions'],
-    ['PUT', '/v1/chat/completions'],
-    ['DELETE', '/v1/requests/req_00000000000000000000'],
-    ['PATCH', '/healthz'],
+  for (const [method, path, allow] of [
+    ['GET', '/v1/chat/completions', 'POST'],
+    ['PUT', '/v1/chat/completions', 'POST'],
+    ['DELETE', '/v1/requests/req_00000000000000000000', 'HEAD, GET'],
+    ['PATCH', '/healthz', 'HEAD, GET'],
+    // A method no route of any path takes.
+    ['PROPFIND', '/v1/requests/req_00000000000000000000/cancel', 'POST'],
   ]) {
     const answer = await send(gateway.url, { method: method!, path: path!, key });
     t.equal(answer.status, 405, `${method} ${path}: 405`);
     t.equal(answer.body.error.code, 'method_not_allowed');
     t.equal(answer.body.error.type, 'invalid_request_error');
+    // RFC 9110: a 405 names the methods the target takes.
+    t.equal(answer.headers.get('allow'), allow, `${method} ${path}: Allow names ${allow}`);
   }
+  const options = await send(gateway.url, { method: 'OPTIONS', path: '/v1/chat/completions', key });
+  t.same([options.status, options.headers.get('allow')], [200, 'POST'], 'OPTIONS: 200, with the methods in Allow');
 });
 
 /** Writes `text` on a new connection and reads until the server closes it (or 3 s pass). */

@@ -100,7 +100,9 @@ function opsApp(deps: OpsDeps) {
 
 function finish(app: Koa<GatewayState>, router: Router<GatewayState>): Koa<GatewayState> {
   app.use(router.routes());
-  app.use(router.allowedMethods({ throw: true, methodNotAllowed, notImplemented: methodNotAllowed }));
+  // A path's other methods: a 405 (501 for a method no route takes) with the methods it takes in
+  // Allow, which answer() gives the contract's body; OPTIONS: 200, Allow and no body.
+  app.use(router.allowedMethods());
   return app;
 }
 
@@ -123,7 +125,7 @@ function route<T extends Koa.Middleware<GatewayState, any>>(steps: Step[], handl
 
 /**
  * Around every request: failures rendered in the contract's error shape (an unmatched route is
- * a 404 route_not_found), then one log line and the HTTP metrics: method, route pattern,
+ * a 404 route_not_found, a method its path does not take a 405 method_not_allowed), then one log line and the HTTP metrics: method, route pattern,
  * status and duration; no headers, no bodies, no ids.
  */
 function answer(logger: Logger, metrics: Metrics): Koa.Middleware<GatewayState> {
@@ -140,6 +142,7 @@ function answer(logger: Logger, metrics: Metrics): Koa.Middleware<GatewayState> 
       await next();
       if (ctx.state.later) return answerLater(ctx, ctx.state.later, started, logger, record);
       if (ctx.status === 404 && ctx.body == null) throw routeNotFound();
+      if ((ctx.status === 405 || ctx.status === 501) && ctx.body == null) throw methodNotAllowed();
     } catch (caught) {
       renderError(ctx, caught, logger);
     }
