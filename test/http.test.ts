@@ -166,6 +166,40 @@ t.test('an Expect other than 100-continue is ignored: the request is served as w
   t.equal(submission.body?.error?.code, 'missing_api_key', 'a submission without a key, refused in the contract\'s shape');
 });
 
+t.test('Expect: 100-continue: a submission refused before its body is read gets no 100 Continue, so its body is never sent; an accepted one gets it before its body is read', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { SIGNATURES: 'optional' } });
+  const key = await gateway.createKey();
+  const url = new URL(gateway.url);
+  /** Sends the head of a submission with Expect: 100-continue, and its body only once told to continue. */
+  const expecting = (apiKey: string, body: string) =>
+    new Promise<string>((resolve) => {
+      const socket = net.connect(Number(url.port), url.hostname);
+      let answer = '';
+      const timer = setTimeout(() => socket.destroy(), 5_000);
+      socket.setEncoding('utf8');
+      socket.on('data', (chunk: string) => {
+        answer += chunk;
+        if (answer === 'HTTP/1.1 100 Continue\r\n\r\n') socket.write(body);
+      });
+      socket.on('error', () => {});
+      socket.on('close', () => {
+        clearTimeout(timer);
+        resolve(answer);
+      });
+      socket.write(
+        `POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer ${apiKey}\r\nContent-Type: application/json\r\n` +
+          `Content-Length: ${Buffer.byteLength(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n`,
+      );
+    });
+  const body = JSON.stringify({ model: 'test-echo', messages: userMessage('continued') });
+
+  const refused = await expecting('svc_test_000000000000000000000000000000000000000000', body);
+  t.match(refused, /^HTTP\/1\.1 401 /, 'an unknown key: 401 at once, with no 100 Continue before it');
+
+  const accepted = await expecting(key.api_key, body);
+  t.match(accepted, /^HTTP\/1\.1 100 Continue\r\n\r\nHTTP\/1\.1 202 /, 'a known key: 100 Continue, then, its body sent, 202');
+});
+
 t.test('CONNECT is a 405 method_not_allowed in the contract\'s shape, and its connection closed', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   for (const target of ['example.com:443', '/v1/chat/completions']) {

@@ -2,7 +2,7 @@
 // enforcing MAX_BODY_BYTES and the media type, then parses it.
 import getRawBody from 'raw-body';
 import { invalidRequest, requestTooLarge, unsupportedMediaType } from '../errors.ts';
-import type { Step } from './context.ts';
+import type { GatewayContext, Step } from './context.ts';
 
 export function readBody(maxBodyBytes: number): Step {
   return async (ctx) => {
@@ -12,6 +12,7 @@ export function readBody(maxBodyBytes: number): Step {
     if (charset && charset.toLowerCase() !== 'utf-8' && charset.toLowerCase() !== 'utf8') throw unsupportedMediaType();
     const encoding = ctx.get('content-encoding');
     if (encoding && encoding.toLowerCase() !== 'identity') throw unsupportedMediaType();
+    continueIfExpected(ctx);
     try {
       ctx.state.body = await getRawBody(ctx.req, {
         limit: maxBodyBytes,
@@ -29,6 +30,7 @@ export function readBody(maxBodyBytes: number): Step {
 export function noBody(): Step {
   return async (ctx) => {
     let body: Buffer;
+    continueIfExpected(ctx);
     try {
       body = await getRawBody(ctx.req, { limit: 1024, length: ctx.get('content-length') || null });
     } catch {
@@ -36,6 +38,14 @@ export function noBody(): Step {
     }
     if (body.length > 0) throw invalidRequest('invalid_body', 'This request takes no body.');
   };
+}
+
+/**
+ * A client that sent `Expect: 100-continue` sends its body once told to continue, which the
+ * server leaves to this moment: a request refused before its body is read is spared sending it.
+ */
+function continueIfExpected(ctx: GatewayContext): void {
+  if (ctx.get('expect').toLowerCase() === '100-continue' && !ctx.res.headersSent) ctx.res.writeContinue();
 }
 
 const utf8 = new TextDecoder('utf-8', { fatal: true });

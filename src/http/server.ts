@@ -103,6 +103,10 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
   // An Expect other than 100-continue is ignored (RFC 9110 allows it), and the request served as
   // any other: Node would answer it itself with an empty 417, a status outside the contract.
   server.on('checkExpectation', onRequest);
+  // Expect: 100-continue: the client sends the body once told to. Node would tell it at once; the
+  // app tells it when it reads the body (body.ts), so that a request refused before (a bad key, a
+  // rate limit) is answered without the body ever being sent.
+  server.on('checkContinue', onRequest);
   // No route takes CONNECT, which Node hands to no request listener: unheard, it would close the
   // connection without a word.
   server.on('connect', (_request: http.IncomingMessage, socket: Duplex) => endWith(socket, methodNotAllowed()));
