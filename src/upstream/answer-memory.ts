@@ -4,12 +4,13 @@
 //
 // An answer reads its first SMALL_ANSWER_BYTES freely: a chat completion is a few kilobytes, and
 // MAX_IN_FLIGHT × that much is part of what a call costs. Past that, it reserves at once all it
-// may still need: its content-length, or UPSTREAM_MAX_RESPONSE_BYTES when it has none. When
-// that much is not free, it waits, its connection paused, in turn behind earlier ones. A
-// reservation is never added to, so whatever holds memory never waits: the answers being read
-// end, each hands its memory to the next in line, and none waits forever. (A reservation is at
-// most the whole budget.) The call's signal (its upstream timeout, a cancel, a shutdown) ends a
-// wait too.
+// may still need: its content-length, or UPSTREAM_MAX_RESPONSE_BYTES when it has none or is
+// compressed (the bytes counted are the decoded ones); an answer whose decoder has a large window
+// (br, zstd) reserves that and the window before it is decoded at all. When that much is not
+// free, it waits, its connection paused, in turn behind earlier ones. A reservation is never added
+// to, so whatever holds memory never waits: the answers being read end, each hands its memory to
+// the next in line, and none waits forever. (A reservation is at most the whole budget.) The
+// call's signal (its upstream timeout, a cancel, a shutdown) ends a wait too.
 //
 // A waiting answer still holds what its connection had read when it paused: its first chunks,
 // and a chunk in each of undici's and the socket's buffers, about 250 KB measured

@@ -1,8 +1,10 @@
 // UPSTREAM_ANSWER_MEMORY_MB: large upstream answers are read within a memory budget shared by a
 // worker's calls. Past 16 KB, an answer reserves all it may still need (its content-length, else
-// UPSTREAM_MAX_RESPONSE_BYTES) or waits, its connection paused, in turn; its call's signal (a
-// timeout, a cancel, a shutdown) ends the wait.
+// UPSTREAM_MAX_RESPONSE_BYTES, and that too when it is compressed; a br or zstd answer, that and
+// its decoder's window from its first byte) or waits, its connection paused, in turn; its call's
+// signal (a timeout, a cancel, a shutdown) ends the wait.
 import http from 'node:http';
+import zlib from 'node:zlib';
 import t, { type Test } from 'tap';
 import { AnswerMemory } from '../../src/upstream/answer-memory.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
@@ -162,6 +164,52 @@ t.test('an answer with a content-length reserves that much', async (t) => {
   t.pass('three of 600 KB in 2 MiB, three waiting');
   upstream.finish();
   for (const id of ids) t.match(await waitForRow(gateway.db, id, isTerminal, 20_000), { status: 'completed' });
+  t.same(await gaugesOf(gateway.metricsUrl), { reserved: 0, waiting: 0 }, 'the memory given back');
+});
+
+t.test('a compressed answer reserves UPSTREAM_MAX_RESPONSE_BYTES, whatever its content-length (the encoded size)', async (t) => {
+  let finish = () => {};
+  const server = http.createServer(async (request, response) => {
+    const chunks: Buffer[] = [];
+    for await (const chunk of request) chunks.push(chunk as Buffer);
+    const completion = completionFor(JSON.parse(Buffer.concat(chunks).toString('utf8')));
+    const body = zlib.gzipSync(JSON.stringify({ ...completion, padding: 'x'.repeat(600 * 1024) }));
+    response.writeHead(200, { 'content-type': 'application/json', 'content-encoding': 'gzip', 'content-length': String(body.byteLength) });
+    // All but the gzip trailer: the text decodes, and its end is held back.
+    response.write(body.subarray(0, -8));
+    finish = () => response.end(body.subarray(-8));
+  });
+  const port = await listenOnLoopback(t, server);
+  const gateway = await startTestGateway(t, { env: settings(`http://127.0.0.1:${port}/v1`, 2) });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const id = (await client.post({ model: 'gpt-test', messages: userMessage() })).body.id;
+  await gaugesReach(gateway.metricsUrl, { reserved: MiB, waiting: 0 });
+  t.pass('a content-length of a few KB, and 1 MiB reserved');
+  finish();
+  t.match(await waitForRow(gateway.db, id, isTerminal, 20_000), { status: 'completed' });
+  t.same(await gaugesOf(gateway.metricsUrl), { reserved: 0, waiting: 0 }, 'the memory given back');
+});
+
+t.test('a brotli answer reserves its window and UPSTREAM_MAX_RESPONSE_BYTES before a byte of it is decoded', async (t) => {
+  let finish = () => {};
+  const server = http.createServer(async (request, response) => {
+    const chunks: Buffer[] = [];
+    for await (const chunk of request) chunks.push(chunk as Buffer);
+    const completion = completionFor(JSON.parse(Buffer.concat(chunks).toString('utf8')));
+    const body = zlib.brotliCompressSync(JSON.stringify(completion));
+    response.writeHead(200, { 'content-type': 'application/json', 'content-encoding': 'br' });
+    // Its first bytes, far less than 16 KB once decoded; the rest held back.
+    response.write(body.subarray(0, 8));
+    finish = () => response.end(body.subarray(8));
+  });
+  const port = await listenOnLoopback(t, server);
+  const gateway = await startTestGateway(t, { env: settings(`http://127.0.0.1:${port}/v1`, 64) });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const id = (await client.post({ model: 'gpt-test', messages: userMessage() })).body.id;
+  await gaugesReach(gateway.metricsUrl, { reserved: MiB + 16 * MiB, waiting: 0 });
+  t.pass("1 MiB for the answer and 16 MiB for brotli's window");
+  finish();
+  t.match(await waitForRow(gateway.db, id, isTerminal, 20_000), { status: 'completed' });
   t.same(await gaugesOf(gateway.metricsUrl), { reserved: 0, waiting: 0 }, 'the memory given back');
 });
 

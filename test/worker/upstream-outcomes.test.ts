@@ -2,6 +2,7 @@
 // its state and attempt error code. The requests here are alone on their lane: a first failure
 // is charged (nothing says the provider is down), and later ones are not (nothing says it is up).
 import http from 'node:http';
+import zlib from 'node:zlib';
 import t, { type Test } from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { freePort, listenOnLoopback } from '../helpers/ports.ts';
@@ -226,6 +227,101 @@ t.test('UPSTREAM_MAX_RESPONSE_BYTES sets the limit', async (t) => {
   const small = await runAgainst(t, () => ({ status: 200, text }), { MAX_ATTEMPTS: '1', UPSTREAM_MAX_RESPONSE_BYTES: '8192' });
   t.match(small.row, { status: 'completed' }, 'and one within it completes');
 });
+
+/** A live gateway whose upstream answers every call 200 with these headers and body (bytes as given). */
+async function answeredWith(t: Test, headers: Record<string, string>, body: Buffer | (() => AsyncIterable<Buffer>), env: Record<string, string> = {}) {
+  const server = http.createServer(async (request, response) => {
+    for await (const _ of request);
+    response.writeHead(200, { 'content-type': 'application/json', ...headers });
+    if (Buffer.isBuffer(body)) return response.end(body);
+    for await (const chunk of body()) {
+      if (response.destroyed) return;
+      if (!response.write(chunk)) await new Promise((drained) => response.once('drain', drained).once('close', drained));
+    }
+    response.end();
+  });
+  const port = await listenOnLoopback(t, server);
+  const gateway = await startTestGateway(t, {
+    env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${port}/v1`, MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: '20000', ...env },
+  });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
+  const row = await waitForRow(gateway.db, accepted.body.id, isTerminal, 20_000);
+  return { gateway, row, attempts: await attemptRows(gateway.db, row.id) };
+}
+
+for (const [coding, encode] of [
+  ['gzip', zlib.gzipSync],
+  ['x-gzip', zlib.gzipSync],
+  ['deflate', zlib.deflateSync],
+  ['br', zlib.brotliCompressSync],
+  ['zstd', zlib.zstdCompressSync],
+  ['gzip, br', (text: Buffer) => zlib.brotliCompressSync(zlib.gzipSync(text))],
+] as const) {
+  t.test(`a completion with content-encoding ${coding} is decoded: completed, the JSON text stored`, async (t) => {
+    const text = JSON.stringify(completionFor({ model: 'gpt-test', messages: userMessage() }));
+    const { gateway, row, attempts } = await answeredWith(t, { 'content-encoding': coding }, encode(Buffer.from(text)));
+    t.match(row, { status: 'completed', attempts: 1, last_error_code: null });
+    t.match(attempts, [{ outcome: 'succeeded', upstream_status: 200 }]);
+    const { rows } = await gateway.pool.query('select result::text as result from gateway.requests where id = $1', [row.id]);
+    t.equal(rows[0].result, text);
+  });
+}
+
+t.test('a compressed answer that inflates past UPSTREAM_MAX_RESPONSE_BYTES (a bomb) is upstream_invalid_response, read no further', async (t) => {
+  // 256 KB of gzip that would inflate to 256 MiB, with a content-length well under the limit.
+  const gzip = zlib.createGzip({ level: 9 });
+  const compressed: Buffer[] = [];
+  gzip.on('data', (chunk: Buffer) => compressed.push(chunk));
+  const ended = new Promise((resolve) => gzip.on('end', resolve));
+  gzip.write('{"object":"chat.completion","id":"chatcmpl-1","choices":[],"padding":"');
+  const spaces = Buffer.alloc(1024 * 1024, ' ');
+  for (let i = 0; i < 256; i++) gzip.write(spaces);
+  gzip.end('"}');
+  await ended;
+  const bomb = Buffer.concat(compressed);
+  const { row, attempts } = await answeredWith(t, { 'content-encoding': 'gzip', 'content-length': String(bomb.byteLength) }, bomb);
+  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });
+  t.match(attempts, [{ upstream_status: 200, error_detail: 'the 2xx body is larger than 2097152 bytes' }]);
+});
+
+t.test('a gzip answer whose connection is reset mid-body: upstream_connection_error, not an invalid answer', async (t) => {
+  const gzipped = zlib.gzipSync(JSON.stringify({ ...completionFor({ messages: [{ content: 'x' }] }), padding: 'x'.repeat(100_000) }));
+  const server = http.createServer(async (request, response) => {
+    for await (const _ of request);
+    response.writeHead(200, { 'content-type': 'application/json', 'content-encoding': 'gzip', 'content-length': String(gzipped.byteLength) });
+    response.write(gzipped.subarray(0, gzipped.byteLength / 2), () => setTimeout(() => response.socket?.resetAndDestroy(), 20));
+  });
+  const port = await listenOnLoopback(t, server);
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: `http://127.0.0.1:${port}/v1`, MAX_ATTEMPTS: '1' } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
+  const row = await waitForRow(gateway.db, accepted.body.id, isTerminal);
+  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_connection_error' });
+  t.match(await attemptRows(gateway.db, row.id), [{ error_code: 'upstream_connection_error', upstream_status: null }]);
+});
+
+for (const [name, headers, body, detail] of [
+  ['a body that is not the gzip it says it is', { 'content-encoding': 'gzip' }, Buffer.from('{"object":"chat.completion"}'), 'the 2xx body is not valid gzip'],
+  [
+    'a gzip body cut short',
+    { 'content-encoding': 'gzip' },
+    zlib.gzipSync(JSON.stringify(completionFor({ messages: [{ content: 'x' }] }))).subarray(0, 20),
+    'the 2xx body is not valid gzip',
+  ],
+  [
+    'a content-encoding the gateway does not read',
+    { 'content-encoding': 'compress' },
+    Buffer.from(JSON.stringify(completionFor({ messages: [{ content: 'x' }] }))),
+    "the 2xx body's content-encoding is not one the gateway reads (gzip, deflate, br, zstd)",
+  ],
+] as const) {
+  t.test(`${name}: upstream_invalid_response, saying so`, async (t) => {
+    const { row, attempts } = await answeredWith(t, headers, body);
+    t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });
+    t.match(attempts, [{ upstream_status: 200, error_code: 'upstream_invalid_response', error_detail: detail }]);
+  });
+}
 
 /**
  * A gateway whose upstream answers with `answer` 200 ms into a 1,000 ms timeout, after which this
