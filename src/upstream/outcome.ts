@@ -48,12 +48,15 @@ export type AttemptOutcome =
       retryAfterMs?: number;
     };
 
-/** The error code for a non-2xx upstream HTTP status. */
+/**
+ * The error code for a non-2xx upstream HTTP status. A status past 599, which HTTP does not have
+ * (undici passes on any three digits), is an invalid answer, as a 1xx or 3xx is.
+ */
 export function codeForStatus(status: number): AttemptErrorCode {
   if (status === 429) return 'upstream_rate_limited';
   if (status === 401 || status === 403) return 'upstream_auth_error';
-  if (status === 408 || status === 409 || status >= 500) return 'upstream_server_error';
-  if (status >= 400) return 'upstream_bad_request';
+  if (status === 408 || status === 409 || (status >= 500 && status <= 599)) return 'upstream_server_error';
+  if (status >= 400 && status <= 499) return 'upstream_bad_request';
   return 'upstream_invalid_response';
 }
 
