@@ -16,6 +16,7 @@ import { createApp, createMetricsApp, createOpsApp } from './http/app.ts';
 import { closeServer, listen, urlOf } from './http/server.ts';
 import { createLogger, type Logger } from './logger.ts';
 import { openDatabase, withLocalSecrets } from './local.ts';
+import { errorCode } from './network-errors.ts';
 import { Metrics } from './metrics.ts';
 import { Listener } from './db/listener.ts';
 import { KeyCache } from './keys/cache.ts';
@@ -178,7 +179,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
           ? { onStored: (queueId: string) => dispatcher.poke(queueId), reserveStart: (queueId: string) => dispatcher.reserveStart(queueId) }
           : {}),
       });
-      shutdown.server = await listen(app.callback(), config.port, config.host);
+      shutdown.server = await listenOn(app.callback(), config.port, config.host);
     }
     if (worker) {
       if (role === 'worker') {
@@ -188,7 +189,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         metrics.watchWebhooks(() => oldestUnfinishedMessageAge(worker.db));
         if (options.http !== false) {
           const ops = createOpsApp({ config, pool: worker.pool, metrics, logger });
-          shutdown.server = await listen(ops.callback(), config.port, config.host);
+          shutdown.server = await listenOn(ops.callback(), config.port, config.host);
         }
       }
       shutdown.worker = await startWorkerService({ config, metrics, logger, ...worker });
@@ -239,7 +240,21 @@ function buildWorkerSide(parts: {
 
 /** GET /metrics on METRICS_PORT. */
 function listenForMetrics(config: Config, metrics: Metrics, logger: Logger): Promise<http.Server> {
-  return listen(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort!, config.host);
+  return listenOn(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort!, config.host);
+}
+
+/**
+ * listen(), whose failure stops the start, saying why: a HOST that does not resolve fails with
+ * getaddrinfo's ENOTFOUND or EAI_AGAIN, which a start would otherwise take for its database out
+ * of reach (whenAvailable) and try again for good. A port in use is said by the command line.
+ */
+async function listenOn(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
+  try {
+    return await listen(handler, port, host);
+  } catch (error) {
+    if (errorCode(error) === 'EADDRINUSE') throw error;
+    throw new ConfigError(`Cannot listen on HOST ${host}, port ${port}: ${(error as Error).message}.`);
+  }
 }
 
 /** `gateway serve`: the role given, as a cluster of API processes when API_PROCESSES > 1. */

@@ -82,3 +82,22 @@ t.test('gateway migrate stops at once, saying why, for TLS the database does not
   t.match(result.stderr, /The server does not support SSL connections/, 'saying why');
   t.equal(result.stderr.trim().split('\n').length, 1, 'in one line, no stack');
 });
+
+for (const role of ['api', 'worker'] as const) {
+  t.test(`gateway serve --role ${role} stops at once, saying why, for a HOST that does not resolve`, async (t) => {
+    const gateway = spawnServe(t, {
+      DATABASE_URL: await createTestDatabase(t),
+      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+      PORT: String(await freePort()),
+      HOST: 'gateway-no-such-host.invalid',
+      LOG_LEVEL: 'info',
+    }, ['--role', role]);
+    const exit = await Promise.race([gateway.exited(), sleep(20_000).then(() => undefined)]);
+    t.ok(exit, 'it exits within 20 s', { output: gateway.output() });
+    t.equal(exit?.code, 1, 'with code 1');
+    const said = gateway.lines.filter((line) => !line.startsWith('{'));
+    t.equal(said.length, 1, 'in one line, no stack', { said });
+    t.match(said[0], /^Cannot listen on HOST gateway-no-such-host\.invalid/, 'saying why');
+    t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without taking it for the database');
+  });
+}
