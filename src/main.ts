@@ -230,6 +230,9 @@ function buildWorkerSide(parts: {
   const dispatcher = new Dispatcher({ db, attempts, ...dispatcherSettings(config), metrics, logger });
   metrics.watchDispatcher(dispatcher);
   const deliverer = new WebhookDeliverer({ db, config, workerId: dispatcher.workerId, metrics, logger });
+  // It looks for forgotten tries from the start (a timer): a start that fails before the worker
+  // service runs (and stops it) must stop it, or it would go on looking on the closed pool.
+  shutdown.users.push(() => deliverer.stop());
   listener.subscribe(FINISHED_CHANNEL, {
     notification: (payload) => dispatcher.ended(payload.split(',')),
     lost: () => dispatcher.hearing(false),

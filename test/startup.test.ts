@@ -101,3 +101,26 @@ for (const role of ['api', 'worker'] as const) {
     t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without taking it for the database');
   });
 }
+
+t.test('gateway serve --role worker started while the database is unreachable leaves nothing running of the starts that failed', async (t) => {
+  const url = await createTestDatabase(t);
+  const proxy = await startTcpProxy(t, url);
+  proxy.cut();
+  const gateway = spawnServe(t, {
+    DATABASE_URL: proxy.url,
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    PORT: String(await freePort()),
+    HOST: '127.0.0.1',
+    LOG_LEVEL: 'info',
+  }, ['--role', 'worker']);
+  await until(() => gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'the gateway to say it waits', 15_000);
+  // Longer than the webhook deliverer's look for forgotten tries (10 s): one left running by a
+  // start that failed would look, on the pool that start closed.
+  await sleep(12_000);
+  proxy.restore();
+  await until(() => gateway.entries().some((entry) => entry.msg === 'gateway started'), 'the gateway to start', 15_000);
+  const leftOver = gateway.entries().filter((entry) => entry.msg === 'could not look for webhook tries lost track of');
+  t.same(leftOver, [], 'no deliverer of a failed start looks for its tries on a closed pool');
+  gateway.signal('SIGTERM');
+  t.match(await gateway.exited(), { code: 0 }, 'and it stops cleanly');
+});
