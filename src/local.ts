@@ -15,11 +15,16 @@ export interface LocalDatabase {
   embedded: boolean;
   /** Stops the embedded Postgres if this process started it. */
   release(): Promise<void>;
+  /**
+   * The process's shutdown handles SIGINT and SIGTERM from now on, and calls release(): until
+   * then, either stops the embedded Postgres this process started and ends the process.
+   */
+  shutdownHandled(): void;
 }
 
 export async function openDatabase(config: Config, logger: Logger): Promise<LocalDatabase> {
   if (config.databaseUrl !== undefined) {
-    return { url: config.databaseUrl, embedded: false, release: async () => {} };
+    return { url: config.databaseUrl, embedded: false, release: async () => {}, shutdownHandled: () => {} };
   }
   const cluster = await startEmbeddedPostgres({
     directory: path.join(config.dataDir, 'postgres'),
@@ -27,7 +32,7 @@ export async function openDatabase(config: Config, logger: Logger): Promise<Loca
     logger,
     durable: true,
   });
-  return { url: cluster.url, embedded: true, release: () => cluster.stop() };
+  return { url: cluster.url, embedded: true, release: () => cluster.stop(), shutdownHandled: () => cluster.shutdownHandled() };
 }
 
 /** The config, with a SECRET_ENCRYPTION_KEY kept under DATA_DIR when none is set. */

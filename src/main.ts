@@ -319,6 +319,8 @@ export async function start(baseConfig: Config): Promise<void> {
       await gateway.stop();
       await database.release();
     }, logger);
+    // Before this, a signal stopped the start and the embedded Postgres with it (embedded.ts).
+    database.shutdownHandled();
   } catch (error) {
     await database.release();
     throw error;

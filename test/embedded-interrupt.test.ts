@@ -3,7 +3,7 @@
 // in it, so that a call that finishes during the shutdown is still recorded, and the process
 // exits as soon as the gateway and then the Postgres have stopped.
 import { spawn } from 'node:child_process';
-import { chmod, mkdtemp, rm } from 'node:fs/promises';
+import { chmod, mkdtemp, readFile, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import t from 'tap';
@@ -70,3 +70,46 @@ t.test('Ctrl-C on gateway start with the embedded Postgres: the call in flight i
   t.equal(shown.code, 0, shown.stderr);
   t.match(JSON.parse(shown.stdout), { request: { status: 'completed' } }, 'the call that finished during the shutdown is recorded');
 });
+
+for (const [signal, what] of [['SIGTERM', 'SIGTERM to the gateway'], ['SIGINT', "Ctrl-C (SIGINT to the terminal's process group)"]] as const) {
+  t.test(`${what} while gateway start is starting: its embedded Postgres is stopped with it`, async (t) => {
+    const dataDir = await mkdtemp(path.join(tmpdir(), 'gateway-embedded-start-signal-'));
+    await chmod(dataDir, 0o755);
+    const env = { DATA_DIR: dataDir, EMBEDDED_POSTGRES_PORT: String(await freePort()), HOST: '127.0.0.1', PORT: String(await freePort()) };
+    const { DATABASE_URL: _url, SECRET_ENCRYPTION_KEY: _key, SECRET_ENCRYPTION_KEYS: _keys, ...inherited } = childEnv();
+    const gateway = spawn(process.execPath, [...childExecArgv(), CLI, 'start'], {
+      env: { ...inherited, ...env, LOG_LEVEL: 'info' },
+      detached: true,
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    let output = '';
+    gateway.stdout.on('data', (chunk: Buffer) => (output += chunk.toString()));
+    gateway.stderr.on('data', (chunk: Buffer) => (output += chunk.toString()));
+    const exited = new Promise<void>((resolve) => gateway.on('exit', () => resolve()));
+    let postgresPid: number | undefined;
+    t.teardown(async () => {
+      if (gateway.exitCode === null && gateway.signalCode === null) process.kill(-gateway.pid!, 'SIGKILL');
+      if (postgresPid !== undefined && isRunning(postgresPid)) {
+        process.kill(postgresPid, 'SIGINT');
+        await until(() => !isRunning(postgresPid!), 'the embedded Postgres to stop', 30_000);
+      }
+      await rm(dataDir, { recursive: true, force: true });
+    });
+    await until(() => output.includes('"msg":"embedded Postgres started"') || gateway.exitCode !== null, () => `gateway start:\n${output}`, 60_000);
+    postgresPid = Number((await readFile(path.join(dataDir, 'postgres', 'postmaster.pid'), 'utf8')).split('\n')[0]);
+    t.notMatch(output, '"msg":"ready;', 'the gateway is still starting');
+    if (signal === 'SIGINT') process.kill(-gateway.pid!, 'SIGINT');
+    else gateway.kill('SIGTERM');
+    await exited;
+    t.notOk(isRunning(postgresPid), `the embedded Postgres (pid ${postgresPid}) has stopped by the time the gateway has exited`, { output });
+  });
+}
+
+function isRunning(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}

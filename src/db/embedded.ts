@@ -7,7 +7,7 @@
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { mkdir, readFile, writeFile } from 'node:fs/promises';
-import { userInfo } from 'node:os';
+import os, { userInfo } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { promisify } from 'node:util';
@@ -19,6 +19,11 @@ export interface EmbeddedPostgres {
   url: string;
   /** Stops the cluster if this process started it; leaves one started by another process alone. */
   stop(): Promise<void>;
+  /**
+   * The process's own shutdown handles SIGINT and SIGTERM from now on (and calls stop()): until
+   * this is called, they stop the cluster this process started and end the process.
+   */
+  shutdownHandled(): void;
 }
 
 export interface EmbeddedOptions {
@@ -46,7 +51,7 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   const runningPort = await portOfRunningCluster(directory);
   if (runningPort !== undefined) {
     options.logger.info({ directory, port: runningPort }, 'using the embedded Postgres that is already running');
-    return { url: urlFor(runningPort), stop: async () => {} };
+    return { url: urlFor(runningPort), stop: async () => {}, shutdownHandled: () => {} };
   }
 
   const EmbeddedPostgresClass = await importWithoutSignalHandlers();
@@ -77,32 +82,63 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
     options.logger.info({ directory }, 'initialising an embedded Postgres cluster');
     await cluster.initialise();
   }
-  let postgres: ChildProcess;
+  const postgres = await startPostgres(['-D', directory, '-p', String(options.port), ...postgresFlags], log);
+  // Detached, it would outlive a process that ends without stop(), and every later start would
+  // find it running and use it, never to stop it: from its spawn on, it is stopped with the process.
+  const stopping = stopWithProcess(postgres.child);
   try {
-    postgres = await startPostgres(['-D', directory, '-p', String(options.port), ...postgresFlags], log);
+    await postgres.ready;
   } catch (error) {
+    await stopping.stop();
     throw new Error(
       `The embedded Postgres in ${directory} did not start (is port ${options.port} already in use? ` +
         'set EMBEDDED_POSTGRES_PORT to choose another)',
       { cause: error },
     );
   }
+  options.logger.info({ directory, port: options.port }, 'embedded Postgres started');
+  return { url: urlFor(options.port), ...stopping };
+}
+
+/** The signals that end a process unless handled: a terminal's Ctrl-C, a kill, a terminal closed. */
+const ENDING_SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
+
+/**
+ * Stops the postgres when this process ends: at its exit (an error, a second Ctrl-C), and at a
+ * signal that would end it (ENDING_SIGNALS: one during a start, before the gateway's shutdown
+ * handles SIGINT and SIGTERM, or during a command), after which the process exits with the
+ * code a shell gives for that signal (128 + its number), once the postgres has exited.
+ * shutdownHandled() leaves SIGINT and SIGTERM to the process's own shutdown, which calls stop().
+ * stop(): SIGINT, Postgres's fast shutdown (sessions ended, a checkpoint, then it exits);
+ * resolves once it has exited.
+ */
+function stopWithProcess(postgres: ChildProcess): Pick<EmbeddedPostgres, 'stop' | 'shutdownHandled'> {
   const exited = () => postgres.exitCode !== null || postgres.signalCode !== null;
-  // A process that exits without stop() (a second Ctrl-C, an error) still stops its Postgres.
-  const stopAtExit = () => {
+  const gone = new Promise<void>((resolve) => {
+    if (exited()) resolve();
+    // 'error' alone when it could not be spawned at all.
+    postgres.once('exit', () => resolve());
+    postgres.once('error', () => resolve());
+  });
+  const atExit = () => {
     if (!exited()) postgres.kill('SIGINT');
   };
-  process.once('exit', stopAtExit);
-  options.logger.info({ directory, port: options.port }, 'embedded Postgres started');
+  const onSignal = (signal: NodeJS.Signals) => {
+    void stop().then(() => process.exit(128 + (os.constants.signals[signal] ?? 0)));
+  };
+  process.once('exit', atExit);
+  for (const signal of ENDING_SIGNALS) process.on(signal, onSignal);
+  const stop = async () => {
+    process.off('exit', atExit);
+    for (const signal of ENDING_SIGNALS) process.off(signal, onSignal);
+    if (!exited()) postgres.kill('SIGINT');
+    await gone;
+  };
   return {
-    url: urlFor(options.port),
-    async stop() {
-      process.off('exit', stopAtExit);
-      if (exited()) return;
-      const stopped = new Promise<void>((resolve) => postgres.once('exit', () => resolve()));
-      // SIGINT: Postgres's fast shutdown (sessions ended, a checkpoint, then it exits).
-      postgres.kill('SIGINT');
-      await stopped;
+    stop,
+    shutdownHandled() {
+      process.off('SIGINT', onSignal);
+      process.off('SIGTERM', onSignal);
     },
   };
 }
@@ -110,10 +146,10 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
 /**
  * Starts the package's postgres binary with these arguments, as the package would (as the
  * "postgres" user when run as root, messages in English), but detached: in a session and process
- * group of its own, so that no signal meant for the gateway's group reaches it. Resolves once it
- * accepts connections; rejects if it exits first.
+ * group of its own, so that no signal meant for the gateway's group reaches it. `ready` resolves
+ * once it accepts connections, and rejects if it exits first.
  */
-async function startPostgres(args: string[], log: Logger): Promise<ChildProcess> {
+async function startPostgres(args: string[], log: Logger): Promise<{ child: ChildProcess; ready: Promise<void> }> {
   const { postgres: binary } = await getBinaries();
   const ids = userInfo().uid === 0 ? await postgresUserIds() : {};
   const child = spawn(binary, args, {
@@ -122,7 +158,7 @@ async function startPostgres(args: string[], log: Logger): Promise<ChildProcess>
     stdio: ['ignore', 'ignore', 'pipe'],
     env: { ...process.env, LC_MESSAGES: 'C' },
   });
-  await new Promise<void>((resolve, reject) => {
+  const ready = new Promise<void>((resolve, reject) => {
     // Its log, a line at a time (a chunk may end in the middle of one).
     let partial = '';
     child.stderr!.setEncoding('utf8');
@@ -137,7 +173,7 @@ async function startPostgres(args: string[], log: Logger): Promise<ChildProcess>
     child.once('error', reject);
     child.once('exit', (code, signal) => reject(new Error(`postgres exited (${signal ?? `code ${code}`})`)));
   });
-  return child;
+  return { child, ready };
 }
 
 /** The uid and gid of the "postgres" user the package creates when run as root. */
