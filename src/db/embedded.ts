@@ -7,8 +7,10 @@
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { mkdir, readFile, writeFile } from 'node:fs/promises';
+import net from 'node:net';
 import os, { userInfo } from 'node:os';
 import path from 'node:path';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { promisify } from 'node:util';
 import type { Logger } from '../logger.ts';
@@ -191,7 +193,13 @@ async function loadCredentials(file: string): Promise<Credentials> {
   return credentials;
 }
 
-/** The port of a cluster already running on this data directory (postmaster.pid, line 4). */
+/**
+ * The port of a cluster already running on this data directory: its postmaster.pid (line 4) names
+ * a live process, and the port takes connections. A lock file left by a Postgres that was killed
+ * may name a process that is alive but no Postgres (its pid reused, as after a container's
+ * restart): the port then takes none, and the caller starts the cluster (Postgres judges that
+ * lock file itself), rather than waiting for good on a Postgres that is not there.
+ */
 async function portOfRunningCluster(directory: string): Promise<number | undefined> {
   let lines: string[];
   try {
@@ -201,13 +209,35 @@ async function portOfRunningCluster(directory: string): Promise<number | undefin
   }
   const pid = Number(lines[0]);
   const port = Number(lines[3]);
-  if (!Number.isInteger(pid) || !Number.isInteger(port)) return undefined;
+  if (!Number.isInteger(pid) || !Number.isInteger(port) || port <= 0) return undefined;
   try {
     process.kill(pid, 0);
-    return port;
   } catch {
     return undefined;
   }
+  // A Postgres just started writes its lock file a moment before it listens.
+  for (let tries = 0; tries < LISTEN_CHECKS; tries++) {
+    if (await takesConnections(port)) return port;
+    await sleep(LISTEN_CHECK_INTERVAL_MS);
+  }
+  return undefined;
+}
+
+const LISTEN_CHECKS = 10;
+const LISTEN_CHECK_INTERVAL_MS = 200;
+
+/** Whether something listens on the port on 127.0.0.1 (where the embedded Postgres listens). */
+function takesConnections(port: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const socket = net.connect({ host: '127.0.0.1', port, timeout: 1_000 });
+    const done = (listening: boolean) => {
+      socket.destroy();
+      resolve(listening);
+    };
+    socket.once('connect', () => done(true));
+    socket.once('error', () => done(false));
+    socket.once('timeout', () => done(false));
+  });
 }
 
 /**

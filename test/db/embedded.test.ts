@@ -1,0 +1,47 @@
+// The embedded Postgres (DATABASE_URL unset): a cluster under a directory, started by the process
+// that needs it, or used as it is when it is already running there.
+import { chmod, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import pg from 'pg';
+import t from 'tap';
+import { startEmbeddedPostgres } from '../../src/db/embedded.ts';
+import { createLogger } from '../../src/logger.ts';
+import { freePort } from '../helpers/ports.ts';
+
+const logger = createLogger({ logLevel: 'silent' });
+
+async function answers(url: string): Promise<boolean> {
+  const client = new pg.Client({ connectionString: url, connectionTimeoutMillis: 5_000 });
+  client.on('error', () => {});
+  try {
+    await client.connect();
+    await client.query('select 1');
+    return true;
+  } catch {
+    return false;
+  } finally {
+    await client.end().catch(() => {});
+  }
+}
+
+t.test('a postmaster.pid left by a Postgres that was killed, naming a process that is alive but no Postgres: a start starts its own', async (t) => {
+  const dataDir = await mkdtemp(path.join(tmpdir(), 'gateway-embedded-stale-'));
+  // Run as root, the embedded Postgres runs as a "postgres" user, which must reach its directory.
+  await chmod(dataDir, 0o755);
+  t.teardown(() => rm(dataDir, { recursive: true, force: true }));
+  const directory = path.join(dataDir, 'postgres');
+  const options = { directory, port: await freePort(), logger, durable: false };
+  const first = await startEmbeddedPostgres(options);
+  const lockFile = path.join(directory, 'postmaster.pid');
+  const lock = await readFile(lockFile, 'utf8');
+  await first.stop();
+  // As after a container's restart: the lock file of a Postgres that did not stop, whose pid is
+  // now another process's (here this test's, the parent of the next Postgres, which Postgres
+  // itself takes for a stale lock).
+  await writeFile(lockFile, [String(process.pid), ...lock.split('\n').slice(1)].join('\n'));
+
+  const second = await startEmbeddedPostgres(options);
+  t.teardown(() => second.stop());
+  t.ok(await answers(second.url), 'the Postgres it gives answers');
+});
