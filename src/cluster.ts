@@ -82,6 +82,8 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   // (a port in use, a schema it does not expect) would stop its replacement too. After that, one
   // that exits is replaced.
   let startedUp = false;
+  /** Replacements due: a shutdown cancels them (stopAll), or they would start while it drains, and be cut off at its end. */
+  const restarts = new Set<NodeJS.Timeout>();
   let failStart: (error: Error) => void = () => {};
   cluster.on('exit', (child, code, signal) => {
     const failure = failures.get(child.id);
@@ -98,7 +100,11 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
       return;
     }
     log.error({ pid: child.process.pid, code, signal, ...(failure && { err: failure }) }, 'an API process exited; starting another');
-    setTimeout(fork, restartDelay.next());
+    const timer = setTimeout(() => {
+      restarts.delete(timer);
+      fork();
+    }, restartDelay.next());
+    restarts.add(timer);
   });
   cluster.on('listening', () => {
     restartDelay.reset();
@@ -161,6 +167,7 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
   /** Stops every API process, the METRICS_PORT server and the worker. */
   async function stopAll(): Promise<void> {
     stopping = true;
+    for (const timer of restarts) clearTimeout(timer);
     const children = Object.values(cluster.workers ?? {}).filter((child): child is ClusterChild => !!child && !child.isDead());
     const exited = children.map((child) => new Promise<void>((resolve) => child.once('exit', () => resolve())));
     const metricsClosed = metricsServer?.stop();

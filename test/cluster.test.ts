@@ -125,3 +125,40 @@ t.test('an API process that cannot start stops the start: the others stopped, ex
   t.notMatch(serve.output(), 'starting another', 'no API process is replaced');
   t.notMatch(serve.output(), 'API processes listening');
 });
+
+t.test('SIGTERM while an API process that exited waits for its replacement: none is started during the shutdown', async (t) => {
+  const setup = await startTestGateway(t, { role: 'api' });
+  await setup.stop();
+  const key = await setup.createKey();
+  const port = await freePort();
+  // A call in flight holds the primary's worker, and so its shutdown, for seconds: long after
+  // the replacement would be due.
+  const serve = spawnServe(t, serveSettings(setup, port, { API_PROCESSES: '2', LOG_LEVEL: 'info', SHUTDOWN_GRACE_MS: '6000' }));
+  const { output } = serve;
+  const primary = serve.pid;
+  /** The API processes that logged `message`. */
+  const pidsOf = (message: string) =>
+    output()
+      .split('\n')
+      .filter((line) => line.includes(`"msg":"${message}"`))
+      .map((line) => JSON.parse(line).pid as number)
+      .filter((pid) => pid !== primary);
+  await until(() => output().includes('API processes listening'), () => `the API processes:\n${output()}`, STARTED_WITHIN_MS);
+  const client = clientFor(`http://127.0.0.1:${port}`, key);
+  const accepted = await client.post({ model: 'test-delay-4000', messages: userMessage() });
+  t.equal(accepted.status, 202);
+  const id = (accepted.body as { id: string }).id;
+  await until(async () => ((await client.get(id)).body as { status: string }).status === 'processing', 'the call to start');
+
+  // Both at once: their replacements are due 250 ms and 500 ms or so after their exits.
+  const killed = pidsOf('gateway started');
+  for (const pid of killed) process.kill(pid, 'SIGKILL');
+  await until(() => output().includes('an API process exited; starting another'), () => `the exits:\n${output()}`);
+  serve.signal('SIGTERM');
+  t.equal((await serve.exited()).code, 0, 'the primary exits 0');
+  // One forked before the signal is stopped with the others (it drains, or it ends before it
+  // has started); one forked after it would serve until the primary's exit cut it off.
+  const replacements = pidsOf('gateway started').filter((pid) => !killed.includes(pid));
+  const drained = pidsOf('shut down cleanly');
+  t.same(replacements.filter((pid) => !drained.includes(pid)), [], 'no API process served during the shutdown without being drained', { output: output() });
+});
