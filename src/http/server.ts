@@ -5,6 +5,7 @@
 import cluster from 'node:cluster';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
+import type net from 'node:net';
 import type { Duplex } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { ApiError, invalidRequest, methodNotAllowed } from '../errors.ts';
@@ -25,6 +26,8 @@ export const LISTENING_SOCKETS = 16;
 interface ServerState {
   /** Requests not yet answered, on any of the server's sockets. */
   unanswered: Set<http.ServerResponse>;
+  /** Open connections, on any of the server's sockets. */
+  connections: Set<Duplex>;
   closing: boolean;
   /** The servers of its other listening sockets (LISTENING_SOCKETS). */
   siblings: http.Server[];
@@ -41,7 +44,7 @@ const servers = new WeakMap<http.Server, ServerState>();
  * would share it.
  */
 export async function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
-  const state: ServerState = { unanswered: new Set(), closing: false, siblings: [] };
+  const state: ServerState = { unanswered: new Set(), connections: new Set(), closing: false, siblings: [] };
   const serve = () => {
     const server = createServer(handler, state);
     servers.set(server, state);
@@ -86,7 +89,7 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
     {
       // Hostile or broken clients may not hold a socket open without sending a request.
       headersTimeout: 10_000,
-      requestTimeout: 30_000,
+      requestTimeout: REQUEST_TIMEOUT_MS,
       // An idle connection is closed by the server only long after any client or proxy in front
       // would stop reusing it (Node's fetch after 3 s, load balancers after 60 s). A request sent
       // on a connection as the server closes it is lost with a reset, which a client cannot
@@ -112,6 +115,10 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
   server.on('connect', (_request: http.IncomingMessage, socket: Duplex) => endWith(socket, methodNotAllowed()));
   server.maxHeadersCount = 100;
   server.on('clientError', answerClientError);
+  server.on('connection', (socket: Duplex) => {
+    state.connections.add(socket);
+    socket.once('close', () => state.connections.delete(socket));
+  });
   return server;
 }
 
@@ -214,6 +221,9 @@ function endWith(socket: Duplex, apiError: ApiError): void {
 /** How long a close waits at most for answers written but not yet sent in full (closeServer). */
 const SENDING_GRACE_MS = 5_000;
 
+/** How long a request may take to arrive in full (its head and its body). */
+const REQUEST_TIMEOUT_MS = 30_000;
+
 /**
  * Stops accepting (on each of the server's sockets), closes idle keep-alive sockets, and resolves
  * when in-flight requests are answered: their answers, and those of requests that still come on
@@ -239,7 +249,20 @@ export function closeServer(server: http.Server): Promise<void> {
       if (sending.length === 0 || left <= 0) break;
       await Promise.race([Promise.all(sending.map(sent)), sleep(left, undefined, { ref: false })]);
     }
-    await Promise.all([server, ...(state?.siblings ?? [])].map(unbind));
+    const unbound = Promise.all([server, ...(state?.siblings ?? [])].map(unbind));
+    if (!state) return void (await unbound);
+    // Node enforces headersTimeout and requestTimeout no more once a server is closed, and its
+    // close waits for every connection with a request begun: a client that sent part of a request
+    // and then nothing would hold it for good. A connection whose request has not reached the
+    // handler (part of its head in) has nothing to answer, and is closed now; one whose request
+    // has (its body not in full, say) is closed once the whole request could have taken.
+    const handled = new Set([...state.unanswered].map((response) => response.socket));
+    for (const connection of state.connections) if (!handled.has(connection as net.Socket)) connection.destroy();
+    const timer = setTimeout(() => {
+      for (const connection of state.connections) connection.destroy();
+    }, REQUEST_TIMEOUT_MS);
+    await unbound;
+    clearTimeout(timer);
   })();
 }
 

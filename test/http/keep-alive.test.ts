@@ -6,6 +6,7 @@
 // keeps idle connections that long must close them itself as it shuts down, after the answers
 // still being sent on them.
 import http from 'node:http';
+import net from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { closeServer, KEEP_ALIVE_TIMEOUT_MS, listen } from '../../src/http/server.ts';
@@ -82,4 +83,31 @@ t.test('an answer written but still being sent as the server closes is sent in f
   t.equal(await done, 'end', 'the answer ended');
   t.equal(received, body.length, `the client received all of it (${received} of ${body.length} bytes)`);
   t.ok(await Promise.race([closed, sleep(5_000).then(() => undefined)]), 'and the server closed');
+});
+
+t.test('a client that sent part of a request and then nothing does not hold a closing server for good', async (t) => {
+  const server = await listen((request, response) => {
+    // The body read in full before the answer, as the API's routes read it.
+    request.resume();
+    request.once('end', () => response.end('ok'));
+  }, 0, '127.0.0.1');
+  const { port } = server.address() as { port: number };
+  const connect = (text: string) =>
+    new Promise<net.Socket>((resolve) => {
+      const socket = net.connect(port, '127.0.0.1', () => socket.write(text, () => resolve(socket)));
+      socket.on('error', () => {});
+      t.teardown(() => socket.destroy());
+    });
+  const ended = (socket: net.Socket) => new Promise<void>((resolve) => socket.once('close', () => resolve()));
+  // Part of a head; and a whole head, whose body never comes.
+  const head = await connect('POST / HTTP/1.1\r\nHost: x\r\n');
+  const body = await connect('POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789');
+  await sleep(200);
+
+  const closed = closeServer(server).then(() => 'closed');
+  t.equal(await Promise.race([ended(head), sleep(10_000).then(() => 'still open')]), undefined, 'the connection with part of a head is closed');
+  // Node ends a request whose whole is not in within requestTimeout (30 s) while it serves, and
+  // a closing server no longer does.
+  t.equal(await Promise.race([closed, sleep(45_000).then(() => 'still closing')]), 'closed', 'and the server closes, the request without its body given up in time');
+  t.equal(await Promise.race([ended(body), sleep(1_000).then(() => 'still open')]), undefined, 'its connection closed');
 });
