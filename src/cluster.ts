@@ -50,7 +50,7 @@ export interface ClusterOptions {
  * In the primary: forks the API processes and runs the worker role (for --role all). The API
  * processes' keys must decrypt the stored signing secrets (main.ts checks before it calls this).
  * Rejects, once the worker and the other API processes have stopped, if an API process exits
- * before it is listening, with what it failed on.
+ * before it is listening, with what it failed on, or if METRICS_PORT cannot be listened on.
  */
 export async function startCluster(options: ClusterOptions): Promise<{ stop(): Promise<void> }> {
   const { config, logger } = options;
@@ -135,7 +135,13 @@ export async function startCluster(options: ClusterOptions): Promise<{ stop(): P
 
   if (config.metricsPort !== undefined) {
     metrics.renderWith(collect);
-    metricsServer = await options.serveMetrics(metrics);
+    try {
+      metricsServer = await options.serveMetrics(metrics);
+    } catch (error) {
+      // METRICS_PORT in use, say: the API processes listening and the worker are stopped in order.
+      await stopAll();
+      throw error;
+    }
     log.info({ metricsPort: metricsServer.port }, 'serving the metrics of every process');
   }
 

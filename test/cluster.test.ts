@@ -162,3 +162,25 @@ t.test('SIGTERM while an API process that exited waits for its replacement: none
   const drained = pidsOf('shut down cleanly');
   t.same(replacements.filter((pid) => !drained.includes(pid)), [], 'no API process served during the shutdown without being drained', { output: output() });
 });
+
+t.test('METRICS_PORT in use stops the start: the API processes already listening are stopped in order, exit 1', async (t) => {
+  const setup = await startTestGateway(t, { role: 'api' });
+  await setup.stop();
+  const holder = net.createServer();
+  await new Promise<void>((resolve) => holder.listen(0, '127.0.0.1', resolve));
+  t.teardown(() => new Promise<void>((resolve) => holder.close(() => resolve())));
+  const metricsPort = (holder.address() as net.AddressInfo).port;
+  const serve = spawnServe(t, serveSettings(setup, await freePort(), { API_PROCESSES: '2', METRICS_PORT: String(metricsPort), LOG_LEVEL: 'info' }));
+  const primary = serve.pid;
+  const exit = await Promise.race([
+    serve.exited(),
+    new Promise<undefined>((resolve) => setTimeout(() => resolve(undefined), STARTED_WITHIN_MS).unref()),
+  ]);
+  t.equal(exit?.code, 1, 'it exits 1', { output: serve.output() });
+  t.match(serve.output(), `listen EADDRINUSE: address already in use 127.0.0.1:${metricsPort}`);
+  const pidsOf = (message: string) =>
+    serve.output().split('\n').filter((line) => line.includes(`"msg":"${message}"`)).map((line) => JSON.parse(line).pid as number);
+  const apiProcesses = pidsOf('gateway started').filter((pid) => pid !== primary);
+  t.equal(apiProcesses.length, 2, 'both API processes had started');
+  t.same(pidsOf('shut down cleanly').filter((pid) => pid !== primary).sort(), apiProcesses.sort(), 'and both shut down cleanly');
+});
