@@ -6,7 +6,7 @@
 // calls that finish during its shutdown.
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { existsSync } from 'node:fs';
-import { mkdir, readFile, writeFile } from 'node:fs/promises';
+import { mkdir, readFile, rm, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import os, { userInfo } from 'node:os';
 import path from 'node:path';
@@ -19,7 +19,10 @@ import { randomBase62 } from '../ids.ts';
 export interface EmbeddedPostgres {
   /** Connection string for the "postgres" database of the cluster. */
   url: string;
-  /** Stops the cluster if this process started it; leaves one started by another process alone. */
+  /**
+   * Stops the cluster if this process started it, or took it over (its starter gone); leaves one
+   * that another live process started alone.
+   */
   stop(): Promise<void>;
   /**
    * The process's own shutdown handles SIGINT and SIGTERM from now on (and calls stop()): until
@@ -50,10 +53,18 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   const urlFor = (port: number) =>
     `postgres://${credentials.user}:${credentials.password}@127.0.0.1:${port}/postgres`;
 
-  const runningPort = await portOfRunningCluster(directory);
-  if (runningPort !== undefined) {
-    options.logger.info({ directory, port: runningPort }, 'using the embedded Postgres that is already running');
-    return { url: urlFor(runningPort), stop: async () => {}, shutdownHandled: () => {} };
+  const running = await runningCluster(directory);
+  if (running !== undefined) {
+    const owner = await ownerOf(directory);
+    if (owner !== undefined && isAlive(owner)) {
+      options.logger.info({ directory, port: running.port }, 'using the embedded Postgres that is already running');
+      return { url: urlFor(running.port), stop: async () => {}, shutdownHandled: () => {} };
+    }
+    // The process that started it is gone (killed: no exit hook ran), and left it running: this
+    // one takes it over, and stops it as one it started, rather than leave it running for good.
+    await writeFile(ownerFile(directory), String(process.pid));
+    options.logger.info({ directory, port: running.port }, 'taking over the embedded Postgres that a process now gone left running');
+    return { url: urlFor(running.port), ...stopWithProcess(adopted(running.pid), directory) };
   }
 
   const EmbeddedPostgresClass = await importWithoutSignalHandlers();
@@ -87,8 +98,9 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   const postgres = await startPostgres(['-D', directory, '-p', String(options.port), ...postgresFlags], log);
   // Detached, it would outlive a process that ends without stop(), and every later start would
   // find it running and use it, never to stop it: from its spawn on, it is stopped with the process.
-  const stopping = stopWithProcess(postgres.child);
+  const stopping = stopWithProcess(spawned(postgres.child), directory);
   try {
+    await writeFile(ownerFile(directory), String(process.pid));
     await postgres.ready;
   } catch (error) {
     await stopping.stop();
@@ -105,6 +117,50 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
 /** The signals that end a process unless handled: a terminal's Ctrl-C, a kill, a terminal closed. */
 const ENDING_SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
 
+/** The postgres a process stops: its child, or one it took over (adopted). */
+interface Postmaster {
+  exited(): boolean;
+  /** Resolves once it has exited. */
+  gone: Promise<void>;
+  kill(signal: NodeJS.Signals): void;
+}
+
+/** A postgres this process spawned. */
+function spawned(postgres: ChildProcess): Postmaster {
+  const exited = () => postgres.exitCode !== null || postgres.signalCode !== null;
+  return {
+    exited,
+    gone: new Promise<void>((resolve) => {
+      if (exited()) resolve();
+      // 'error' alone when it could not be spawned at all.
+      postgres.once('exit', () => resolve());
+      postgres.once('error', () => resolve());
+    }),
+    kill: (signal) => postgres.kill(signal),
+  };
+}
+
+/** A postgres another process started: not this one's child, so its exit is watched for by its pid. */
+function adopted(pid: number): Postmaster {
+  const exited = () => !isAlive(pid);
+  let gone: Promise<void> | undefined;
+  return {
+    exited,
+    get gone() {
+      return (gone ??= (async () => {
+        while (!exited()) await sleep(50);
+      })());
+    },
+    kill(signal) {
+      try {
+        process.kill(pid, signal);
+      } catch {
+        // Gone already.
+      }
+    },
+  };
+}
+
 /**
  * Stops the postgres when this process ends: at its exit (an error, a second Ctrl-C), and at a
  * signal that would end it (ENDING_SIGNALS: one during a start, before the gateway's shutdown
@@ -112,18 +168,12 @@ const ENDING_SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
  * code a shell gives for that signal (128 + its number), once the postgres has exited.
  * shutdownHandled() leaves SIGINT and SIGTERM to the process's own shutdown, which calls stop().
  * stop(): SIGINT, Postgres's fast shutdown (sessions ended, a checkpoint, then it exits);
- * resolves once it has exited.
+ * resolves once it has exited, and this process no longer owns the cluster of `directory`.
  */
-function stopWithProcess(postgres: ChildProcess): Pick<EmbeddedPostgres, 'stop' | 'shutdownHandled'> {
-  const exited = () => postgres.exitCode !== null || postgres.signalCode !== null;
-  const gone = new Promise<void>((resolve) => {
-    if (exited()) resolve();
-    // 'error' alone when it could not be spawned at all.
-    postgres.once('exit', () => resolve());
-    postgres.once('error', () => resolve());
-  });
+function stopWithProcess(postmaster: Postmaster, directory: string): Pick<EmbeddedPostgres, 'stop' | 'shutdownHandled'> {
+  const { exited } = postmaster;
   const atExit = () => {
-    if (!exited()) postgres.kill('SIGINT');
+    if (!exited()) postmaster.kill('SIGINT');
   };
   const onSignal = (signal: NodeJS.Signals) => {
     void stop().then(() => process.exit(128 + (os.constants.signals[signal] ?? 0)));
@@ -133,8 +183,9 @@ function stopWithProcess(postgres: ChildProcess): Pick<EmbeddedPostgres, 'stop' 
   const stop = async () => {
     process.off('exit', atExit);
     for (const signal of ENDING_SIGNALS) process.off(signal, onSignal);
-    if (!exited()) postgres.kill('SIGINT');
-    await gone;
+    if (!exited()) postmaster.kill('SIGINT');
+    await postmaster.gone;
+    await rm(ownerFile(directory), { force: true });
   };
   return {
     stop,
@@ -194,13 +245,34 @@ async function loadCredentials(file: string): Promise<Credentials> {
 }
 
 /**
- * The port of a cluster already running on this data directory: its postmaster.pid (line 4) names
- * a live process, and the port takes connections. A lock file left by a Postgres that was killed
+ * The process that started the cluster of `directory` and stops it (`<directory>.owner`): whoever
+ * else uses it while that process lives leaves it alone.
+ */
+const ownerFile = (directory: string) => `${directory}.owner`;
+
+async function ownerOf(directory: string): Promise<number | undefined> {
+  const pid = Number(await readFile(ownerFile(directory), 'utf8').catch(() => ''));
+  return Number.isInteger(pid) && pid > 0 ? pid : undefined;
+}
+
+function isAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (error) {
+    // EPERM: alive, another user's.
+    return (error as NodeJS.ErrnoException).code === 'EPERM';
+  }
+}
+
+/**
+ * The postmaster and port of a cluster already running on this data directory: its postmaster.pid
+ * (lines 1 and 4) names a live process, and the port takes connections. A lock file left by a Postgres that was killed
  * may name a process that is alive but no Postgres (its pid reused, as after a container's
  * restart): the port then takes none, and the caller starts the cluster (Postgres judges that
  * lock file itself), rather than waiting for good on a Postgres that is not there.
  */
-async function portOfRunningCluster(directory: string): Promise<number | undefined> {
+async function runningCluster(directory: string): Promise<{ pid: number; port: number } | undefined> {
   let lines: string[];
   try {
     lines = (await readFile(path.join(directory, 'postmaster.pid'), 'utf8')).split('\n');
@@ -211,13 +283,14 @@ async function portOfRunningCluster(directory: string): Promise<number | undefin
   const port = Number(lines[3]);
   if (!Number.isInteger(pid) || !Number.isInteger(port) || port <= 0) return undefined;
   try {
+    // (EPERM: another user's process, not a postmaster this user started.)
     process.kill(pid, 0);
   } catch {
     return undefined;
   }
   // A Postgres just started writes its lock file a moment before it listens.
   for (let tries = 0; tries < LISTEN_CHECKS; tries++) {
-    if (await takesConnections(port)) return port;
+    if (await takesConnections(port)) return { pid, port };
     await sleep(LISTEN_CHECK_INTERVAL_MS);
   }
   return undefined;

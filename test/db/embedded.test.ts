@@ -1,5 +1,7 @@
 // The embedded Postgres (DATABASE_URL unset): a cluster under a directory, started by the process
 // that needs it, or used as it is when it is already running there.
+import { spawn } from 'node:child_process';
+import { once } from 'node:events';
 import { chmod, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
@@ -7,6 +9,7 @@ import pg from 'pg';
 import t from 'tap';
 import { startEmbeddedPostgres } from '../../src/db/embedded.ts';
 import { createLogger } from '../../src/logger.ts';
+import { childEnv, childExecArgv } from '../helpers/node-child.ts';
 import { freePort } from '../helpers/ports.ts';
 
 const logger = createLogger({ logLevel: 'silent' });
@@ -44,4 +47,39 @@ t.test('a postmaster.pid left by a Postgres that was killed, naming a process th
   const second = await startEmbeddedPostgres(options);
   t.teardown(() => second.stop());
   t.ok(await answers(second.url), 'the Postgres it gives answers');
+});
+
+t.test('a Postgres left running by a process that was killed: the next start takes it over, and stops it as one it started', async (t) => {
+  const dataDir = await mkdtemp(path.join(tmpdir(), 'gateway-embedded-orphan-'));
+  await chmod(dataDir, 0o755);
+  t.teardown(() => rm(dataDir, { recursive: true, force: true }));
+  const directory = path.join(dataDir, 'postgres');
+  const options = { directory, port: await freePort(), logger, durable: false };
+  // Whatever is left running at the end is stopped (its postmaster.pid names it).
+  t.teardown(async () => {
+    const pid = Number((await readFile(path.join(directory, 'postmaster.pid'), 'utf8').catch(() => '')).split('\n')[0]);
+    if (pid > 0) process.kill(pid, 'SIGINT');
+  });
+
+  // A process that starts the embedded Postgres and is killed (SIGKILL: no exit hook runs).
+  const embedded = new URL('../../src/db/embedded.ts', import.meta.url).href;
+  const logging = new URL('../../src/logger.ts', import.meta.url).href;
+  const script = `
+    const { startEmbeddedPostgres } = await import(${JSON.stringify(embedded)});
+    const { createLogger } = await import(${JSON.stringify(logging)});
+    await startEmbeddedPostgres({ ...${JSON.stringify(options)}, logger: createLogger({ logLevel: 'silent' }) });
+    console.log('ready');
+    setInterval(() => {}, 1000);
+  `;
+  const first = spawn(process.execPath, [...childExecArgv(), '--input-type=module', '-e', script], { env: childEnv(), stdio: ['ignore', 'pipe', 'inherit'] });
+  const [line] = (await once(first.stdout!, 'data')) as [Buffer];
+  t.equal(line.toString().trim(), 'ready', 'the first process started the embedded Postgres');
+  first.kill('SIGKILL');
+  await once(first, 'exit');
+
+  const second = await startEmbeddedPostgres(options);
+  t.ok(await answers(second.url), 'the next start uses the Postgres left running');
+  second.shutdownHandled();
+  await second.stop();
+  t.notOk(await answers(second.url), 'and its stop stops it');
 });
