@@ -200,8 +200,12 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       outcome = { ok: false, code: 'worker_lost', detail: 'the worker shut down before the upstream answered', upstreamStatus: null };
     }
     const result = outcome.ok ? 'succeeded' : 'failed';
-    deps.metrics.attempts.inc({ mode: target.mode, outcome: result, code: outcome.ok ? 'none' : outcome.code });
     deps.metrics.upstreamDuration.observe({ mode: target.mode, outcome: result }, durationMs / 1000);
+    // gateway_attempts_total: an attempt by the outcome it is recorded with: a completion once it
+    // is recorded, or as the failure it is recorded as when the database refuses it.
+    const counted = (code: AttemptErrorCode | 'none') =>
+      deps.metrics.attempts.inc({ mode: target.mode, outcome: code === 'none' ? 'succeeded' : 'failed', code });
+    if (!outcome.ok) counted(outcome.code);
     try {
       if (outcome.ok) {
         const { usage, upstreamStatus } = outcome;
@@ -215,8 +219,10 @@ export function createAttempts(deps: AttemptDeps): Attempts {
           if (isDatabaseUnavailable(error) || abandoning.signal.aborted) throw error;
           log.error({ requestId: started.id, err: errorSummary(error) }, "could not store the provider's answer; recording the attempt as failed instead");
           const detail = "the provider's answer could not be stored";
+          counted('upstream_invalid_response');
           return (await fail(started, { code: 'upstream_invalid_response', detail, upstreamStatus, durationMs }))?.retryInMs;
         }
+        counted('none');
         if (done) {
           // gateway_tokens_total: a completion's usage, by its lane.
           const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };

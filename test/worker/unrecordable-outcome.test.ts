@@ -7,12 +7,13 @@
 import t, { type Test } from 'tap';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
+import { parseMetrics } from '../helpers/metrics.ts';
 import { attemptRows, isTerminal, waitForRow } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type Reply } from '../helpers/upstream.ts';
 
 async function runAgainst(t: Test, reply: () => Reply, prepare: (gateway: TestGateway) => Promise<void> = async () => {}) {
   const upstream = await startFakeUpstream(t, reply);
-  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_ATTEMPTS: '1' } });
+  const gateway = await startTestGateway(t, { env: { UPSTREAM_BASE_URL: upstream.baseUrl, MAX_ATTEMPTS: '1', METRICS_PORT: '0' } });
   await prepare(gateway);
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const accepted = await client.post({ model: 'gpt-test', messages: userMessage() });
@@ -37,6 +38,12 @@ t.test("a 2xx answer nested deeper than Postgres's JSON parser goes: failed as u
     [['failed', 'upstream_invalid_response', "the provider's answer could not be stored", 200]],
   );
   t.ok(gateway.logs.some((line) => line.includes("could not store the provider's answer")), 'the refusal is logged');
+  const samples = parseMetrics(await (await fetch(`${gateway.metricsUrl}/metrics`)).text());
+  t.same(
+    [...samples].filter(([name]) => name.startsWith('gateway_attempts_total{')),
+    [['gateway_attempts_total{mode="live",outcome="failed",code="upstream_invalid_response"}', 1]],
+    'gateway_attempts_total counts the attempt as it was recorded: failed, not succeeded',
+  );
 });
 
 t.test('usage whose counts overflow their integer columns: completed, the counts that fit kept and the others null', async (t) => {
