@@ -240,6 +240,43 @@ t.test('a request answered before its body is read (refused at once) has its con
   }
 });
 
+t.test('a keep-alive connection refused many times before its bodies are read collects no listeners: the rest of each body is read off, and the connection served on', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const url = new URL(gateway.url);
+  const warnings: string[] = [];
+  const onWarning = (warning: Error) => warnings.push(`${warning.name}: ${warning.message}`);
+  process.on('warning', onWarning);
+  t.teardown(() => process.off('warning', onWarning));
+
+  const socket = net.connect(Number(url.port), url.hostname);
+  t.teardown(() => socket.destroy());
+  let received = '';
+  let arrived: () => void = () => {};
+  let closed = false;
+  socket.on('data', (data: Buffer) => {
+    received += data.toString('latin1');
+    arrived();
+  });
+  socket.on('close', () => {
+    closed = true;
+    arrived();
+  });
+  const answers = () => received.match(/HTTP\/1\.1 \d{3} /g) ?? [];
+  const body = JSON.stringify({ model: 'gpt-x', messages: [userMessage('hi')] });
+  const rounds = 30;
+  for (let i = 0; i < rounds; i++) {
+    // The head alone: the request is refused (no key) before any of its body has come.
+    socket.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\n\r\n`);
+    while (answers().length <= i && !closed) await new Promise<void>((resolve) => (arrived = resolve));
+    if (closed) break;
+    socket.write(body);
+  }
+  if (!closed) socket.write('GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n');
+  while (!received.includes('{"status":"ok"}') && !closed) await new Promise<void>((resolve) => (arrived = resolve));
+  t.same(answers(), [...Array(rounds).fill('HTTP/1.1 401 '), 'HTTP/1.1 200 '], 'every refusal answered, and the connection then served');
+  t.same(warnings.filter((warning) => warning.startsWith('MaxListenersExceededWarning')), [], 'no emitter collected listeners');
+});
+
 t.test('a connection answered outside the app (not HTTP, CONNECT) is closed even if its client keeps its side open', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const url = new URL(gateway.url);

@@ -138,11 +138,18 @@ const BODY_AFTER_ANSWER_MS = 5_000;
  * do: a client still sending would get a reset, which may lose it the answer.
  */
 function closeUnlessComplete(request: http.IncomingMessage, ms: number): void {
-  const timer = setTimeout(() => request.socket.destroy(), ms);
+  const socket = request.socket;
+  const timer = setTimeout(() => socket.destroy(), ms);
   timer.unref();
-  const done = () => clearTimeout(timer);
+  // A keep-alive connection outlives its requests: what one request leaves on it must go when
+  // that request is done, or listeners pile up on the socket with each request so answered.
+  const done = () => {
+    clearTimeout(timer);
+    request.off('end', done);
+    socket.off('close', done);
+  };
   request.once('end', done);
-  request.socket.once('close', done);
+  socket.once('close', done);
   // A body the app stopped reading (past MAX_BODY_BYTES) is read off and thrown away too.
   if (request.isPaused()) request.resume();
 }
