@@ -65,7 +65,8 @@ function readProcesses(postmaster: number | undefined, databases: Map<number, st
     let database = databases.get(pid);
     if (database === undefined && postmaster !== undefined && ppid === postmaster) {
       database = databaseOf(pid);
-      databases.set(pid, database);
+      // Remembered once its title names it: until then it is read again at the next reading.
+      if (database !== undefined) databases.set(pid, database);
     }
     const name = stat.slice(stat.indexOf('(') + 1, stat.lastIndexOf(')'));
     processes.set(pid, { ppid, name, ticks: Number(fields[11]) + Number(fields[12]), ...(database !== undefined ? { database } : {}) });
@@ -279,15 +280,18 @@ function coreCount(): number {
 /**
  * A backend's process title is "postgres: [cluster: ]user database host state"; background
  * processes (checkpointer, walwriter, autovacuum launcher, ...) name no database ('') and are
- * shared by all, so they count as Postgres.
+ * shared by all, so they count as Postgres. A backend that has not read its startup message yet
+ * still has the postmaster's command line for a title, and nothing says which database it will
+ * serve: undefined (as for a process that has exited).
  */
-function databaseOf(pid: number): string {
+function databaseOf(pid: number): string | undefined {
   let title: string;
   try {
     title = readFileSync(`/proc/${pid}/cmdline`, 'latin1').replaceAll('\0', ' ').trim();
   } catch {
-    return '';
+    return undefined;
   }
+  if (!title.startsWith('postgres: ')) return undefined;
   return /^postgres: (?:\S+: )?\S+ (\S+) (?:\S+\(\d+\)|\[local\]) /.exec(title)?.[1] ?? '';
 }
 
