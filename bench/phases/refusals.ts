@@ -3,12 +3,15 @@
 // a signed submission of a key over its rate (429 rate_limit_exceeded, decided before the body is
 // read), a key whose checksum fails, and a key of the form without a checksum (401
 // invalid_api_key, both from their text alone: no key of that form is stored). The key's rate
-// admits one submission a second, answered 202 and counted apart.
+// admits one submission a second, answered 202 and counted apart; a 202 beyond that rate is a
+// wrong answer.
 import { cpuLine, type PhaseContext, type PhaseResult } from '../context.ts';
 import type { HttpResponse } from '../http.ts';
 import { closedLoop } from '../load.ts';
 import { sha256Hex } from '../signing.ts';
 import { COMPLETIONS, completionBody, errorLine, ms, rate, spreadLine, windowFigures } from './common.ts';
+
+const RATE_LIMIT_RPS = 1;
 
 /** Keys no gateway issued, a few of each form: with a checksum that fails, and without one. */
 const FORGED_KEYS = {
@@ -18,7 +21,7 @@ const FORGED_KEYS = {
 
 export async function refusalsPhase(ctx: PhaseContext): Promise<PhaseResult> {
   const { connections, warmupMs, durationMs } = ctx.settings;
-  const [api] = await ctx.start(['api'], { RATE_LIMIT_RPS: '1' });
+  const [api] = await ctx.start(['api'], { RATE_LIMIT_RPS: String(RATE_LIMIT_RPS) });
   const port = api!.port!;
   const signer = ctx.signer(port);
   const body = completionBody({ wait: false });
@@ -31,6 +34,7 @@ export async function refusalsPhase(ctx: PhaseContext): Promise<PhaseResult> {
 
   let sent = 0;
   let admitted = 0;
+  const startedAt = performance.now();
   const result = await closedLoop({
     port,
     connections,
@@ -47,7 +51,10 @@ export async function refusalsPhase(ctx: PhaseContext): Promise<PhaseResult> {
     check: (response) => {
       if (response.status === 202) {
         admitted++;
-        return undefined;
+        // The key's bucket starts with a burst of twice its rate and refills at its rate (one
+        // more for the clocks' rounding): a 202 beyond that is a limiter that does not limit.
+        const allowed = 2 * RATE_LIMIT_RPS + (RATE_LIMIT_RPS * (response.receivedAt - startedAt)) / 1000 + 1;
+        return admitted <= allowed ? undefined : "HTTP 202 over the key's rate";
       }
       return refusalProblem(response);
     },
