@@ -52,7 +52,7 @@ export const DEFAULTS = {
 export const USAGE = `node bench/run.ts (make bench): benchmarks the gateway of this checkout; see BENCHMARKS.md.
 
   BENCH_PHASES             comma-separated, default all: ${PHASES.join(',')}
-  BENCH_DURATION           seconds measured per phase (default ${DEFAULTS.durationMs / 1000})
+  BENCH_DURATION           seconds measured per phase, at least 1 (default ${DEFAULTS.durationMs / 1000})
   BENCH_WARMUP             seconds of warm-up before each (default ${DEFAULTS.warmupMs / 1000})
   BENCH_CONNECTIONS        connections of the saturation phases and slow-upstream (default ${DEFAULTS.connections})
   BENCH_WAIT_RATE          requests/s of the wait=true overhead phase (default ${DEFAULTS.waitRate})
@@ -83,8 +83,9 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env): Settings {
   }
   return {
     phases: PHASES.filter((phase) => phases.includes(phase)),
-    durationMs: seconds(env, 'BENCH_DURATION', DEFAULTS.durationMs),
-    warmupMs: seconds(env, 'BENCH_WARMUP', DEFAULTS.warmupMs),
+    // At least a second: rates are divided by it, and its whole seconds counted one by one.
+    durationMs: seconds(env, 'BENCH_DURATION', DEFAULTS.durationMs, 1),
+    warmupMs: seconds(env, 'BENCH_WARMUP', DEFAULTS.warmupMs, 0),
     connections: whole(env, 'BENCH_CONNECTIONS', DEFAULTS.connections),
     waitRate: whole(env, 'BENCH_WAIT_RATE', DEFAULTS.waitRate),
     waitReferenceRate: DEFAULTS.waitReferenceRate,
@@ -100,11 +101,11 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env): Settings {
   };
 }
 
-function seconds(env: NodeJS.ProcessEnv, name: string, fallback: number): number {
+function seconds(env: NodeJS.ProcessEnv, name: string, fallback: number, least: number): number {
   const value = env[name];
   if (value === undefined || value.trim() === '') return fallback;
   const parsed = Number(value);
-  if (!Number.isFinite(parsed) || parsed < 0) throw new Error(`${name} must be a number of seconds`);
+  if (!Number.isFinite(parsed) || parsed < least) throw new Error(`${name} must be a number of seconds, at least ${least}`);
   return Math.round(parsed * 1000);
 }
 
