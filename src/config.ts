@@ -1,6 +1,7 @@
 // The only reader of process.env. Every setting is parsed and checked here, once, and the
 // result is frozen and passed down as a value. A bad setting stops the process at start-up
 // with a message naming every variable at fault.
+import pg from 'pg';
 import * as v from 'valibot';
 // MAX_WAIT_MS, the longest a timer waits (Node runs a longer setTimeout after 1 ms): a setting
 // that becomes a timer is refused beyond it, as the client library refuses such an option.
@@ -281,6 +282,10 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     // by another as lost, and run twice.
     problems.push(`SHUTDOWN_GRACE_MS (${e.SHUTDOWN_GRACE_MS}) must be below WORKER_DEAD_AFTER_MS (${e.WORKER_DEAD_AFTER_MS})`);
   }
+  if (e.DATABASE_URL !== undefined) {
+    const problem = databaseUrlProblem(e.DATABASE_URL);
+    if (problem !== undefined) problems.push(problem);
+  }
   const secretEncryptionKeys = parseEncryptionKeys(e.SECRET_ENCRYPTION_KEY, e.SECRET_ENCRYPTION_KEYS, problems);
   const upstreams = loadUpstreams(e.UPSTREAMS_FILE, env, e.UPSTREAM_BASE_URL, e.UPSTREAM_API_KEY, problems);
   if (problems.length > 0) throw invalidSettings(problems);
@@ -336,6 +341,29 @@ export function loadConfig(env: Record<string, string | undefined> = process.env
     dataDir: e.DATA_DIR,
     embeddedPostgresPort: e.EMBEDDED_POSTGRES_PORT,
   });
+}
+
+/**
+ * What pg makes of DATABASE_URL that would fail every connection alike, found as pg builds a
+ * client: a file of its TLS parameters (sslrootcert, sslcert, sslkey), which pg reads for each
+ * connection, that cannot be read (its failure, a file's system error, was taken for the database
+ * out of reach and waited for), and a port that is none (`?port=abc`: pg's pool then never ends).
+ * The messages name a file, never the URL, which may hold a password.
+ */
+function databaseUrlProblem(url: string): string | undefined {
+  let client: pg.Client;
+  try {
+    client = new pg.Client({ connectionString: url });
+  } catch (error) {
+    const failure = error as NodeJS.ErrnoException;
+    return failure.path !== undefined
+      ? `DATABASE_URL names a file that cannot be read: ${failure.message}`
+      : `DATABASE_URL: ${failure.message}`;
+  }
+  if (!Number.isInteger(client.port) || client.port < 1 || client.port > 65_535) {
+    return "DATABASE_URL's port must be a whole number from 1 to 65535";
+  }
+  return undefined;
 }
 
 const invalidSettings = (problems: readonly string[]) => new ConfigError(`Invalid settings:\n  ${problems.join('\n  ')}`);

@@ -2,7 +2,7 @@
 import { randomBytes } from 'node:crypto';
 import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
-import { runCli } from './helpers/cli.ts';
+import { runCli, runCliProcess } from './helpers/cli.ts';
 import { createTestDatabase } from './helpers/database.ts';
 import { freePort } from './helpers/ports.ts';
 import { spawnServe } from './helpers/serve.ts';
@@ -81,6 +81,46 @@ t.test('gateway migrate stops at once, saying why, for TLS the database does not
   t.equal(result.code, 1, 'it fails');
   t.match(result.stderr, /The server does not support SSL connections/, 'saying why');
   t.equal(result.stderr.trim().split('\n').length, 1, 'in one line, no stack');
+});
+
+t.test('gateway serve stops at once, saying why, for a DATABASE_URL whose certificate file cannot be read', async (t) => {
+  const url = new URL(await createTestDatabase(t));
+  url.searchParams.set('sslmode', 'verify-full');
+  url.searchParams.set('sslrootcert', '/nonexistent/root.crt');
+  const gateway = spawnServe(t, {
+    DATABASE_URL: url.toString(),
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    PORT: String(await freePort()),
+    HOST: '127.0.0.1',
+    LOG_LEVEL: 'info',
+  }, ['--role', 'worker']);
+  const exit = await Promise.race([gateway.exited(), sleep(20_000).then(() => undefined)]);
+  t.ok(exit, 'it exits within 20 s', { output: gateway.output() });
+  t.equal(exit?.code, 1, 'with code 1');
+  t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without taking the file for the database out of reach');
+  t.match(gateway.output(), "DATABASE_URL names a file that cannot be read: ENOENT: no such file or directory, open '/nonexistent/root.crt'", 'saying which file');
+});
+
+t.test('an administrative command says in one line that a file DATABASE_URL names cannot be read, or that its port is out of range', async (t) => {
+  const url = new URL(await createTestDatabase(t));
+  const withParams = (params: Record<string, string>) => {
+    const target = new URL(url);
+    for (const [name, value] of Object.entries(params)) target.searchParams.set(name, value);
+    return target.toString();
+  };
+  const noCertificate = await runCli(['migrate'], { DATABASE_URL: withParams({ sslcert: '/nonexistent/client.crt', sslkey: '/nonexistent/client.key' }) });
+  t.equal(noCertificate.code, 1);
+  t.equal(
+    noCertificate.stderr,
+    "Invalid settings:\n  DATABASE_URL names a file that cannot be read: ENOENT: no such file or directory, open '/nonexistent/client.crt'\n",
+  );
+  // As a process: pg's pool never ended after such a connection, and the process stopped with
+  // code 13 (a top-level await left unsettled), having said nothing of why.
+  for (const port of ['abc', '70000']) {
+    const badPort = await runCliProcess(['stats'], { DATABASE_URL: withParams({ port }) });
+    t.equal(badPort.code, 1, `port=${port}: code 1`);
+    t.equal(badPort.stderr, 'Invalid settings:\n  DATABASE_URL\'s port must be a whole number from 1 to 65535\n', `port=${port}`);
+  }
 });
 
 for (const role of ['api', 'worker'] as const) {
