@@ -110,6 +110,24 @@ t.test('upstreams and usage', async (t) => {
   t.same(JSON.parse(await run('usage', '--since', '0001-01-01', '--json')).length, 2, 'year 1 is a day');
 });
 
+t.test('--project "" filters on that name, which no project has, rather than listing every project', async (t) => {
+  const gateway = await startTestGateway(t);
+  const alpha = clientFor(gateway.url, await gateway.createKey({ project: 'alpha' }));
+  t.equal((await alpha.post({ model: 'test-echo', messages: userMessage(), wait: true })).status, 200);
+  const env = {
+    DATABASE_URL: gateway.databaseUrl,
+    SECRET_ENCRYPTION_KEY: gateway.config.secretEncryptionKeys[0]!.toString('base64'),
+    WEBHOOK_ALLOW_PRIVATE: 'true',
+  };
+  const run = (...args: string[]) => cliOutput(args, env);
+  await run('webhooks', 'add', '--project', 'alpha', '--url', 'http://127.0.0.1:9/hook');
+  // (As a script's `--project "$PROJECT"` gives it when PROJECT is unset.)
+  for (const command of [['keys', 'list'], ['webhooks', 'list'], ['requests', 'list'], ['usage']]) {
+    t.equal(JSON.parse(await run(...command, '--json')).length, 1, `${command.join(' ')}: alpha's`);
+    t.same(JSON.parse(await run(...command, '--project', '', '--json')), [], `${command.join(' ')} --project "": none`);
+  }
+});
+
 t.test('tables and requests show escape what a terminal would act on in what clients chose; --json keeps it raw', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const client = clientFor(gateway.url, await gateway.createKey({ project: 'alpha' }));

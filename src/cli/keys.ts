@@ -117,7 +117,7 @@ export function parseKeysCommand(args: string[]): AdminCommand {
     }
     case 'list': {
       const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });
-      return (db) => listKeysCommand(db, { ...(values.project ? { project: values.project } : {}), json: values.json! });
+      return (db) => listKeysCommand(db, { ...(values.project !== undefined ? { project: values.project } : {}), json: values.json! });
     }
     case 'revoke': {
       const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);

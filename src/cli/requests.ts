@@ -110,7 +110,7 @@ export function parseRequestsCommand(args: string[]): AdminCommand {
           limit: filter.limit,
           json: values.json!,
           ...(filter.status ? { status: filter.status } : {}),
-          ...(filter.project ? { project: filter.project } : {}),
+          ...(filter.project !== undefined ? { project: filter.project } : {}),
           ...(filter.mode ? { mode: filter.mode } : {}),
         });
     }

@@ -37,7 +37,7 @@ export function parseUsageCommand(args: string[]): AdminCommand {
   return (db) =>
     usageCommand(db, {
       json: values.json!,
-      ...(values.project ? { project: values.project } : {}),
+      ...(values.project !== undefined ? { project: values.project } : {}),
       ...(since ? { since } : {}),
     });
 }

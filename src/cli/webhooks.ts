@@ -119,7 +119,7 @@ export function parseWebhooksCommand(args: string[]): AdminCommand {
     }
     case 'list': {
       const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });
-      return (db) => listWebhooksCommand(db, { ...(values.project ? { project: values.project } : {}), json: values.json! });
+      return (db) => listWebhooksCommand(db, { ...(values.project !== undefined ? { project: values.project } : {}), json: values.json! });
     }
     case 'remove': {
       const { values, positionals } = parse(rest, { json: { type: 'boolean', default: false } }, true);

@@ -41,7 +41,7 @@ export async function listRequests(
     .orderBy('requests.id', 'desc')
     .limit(filter.limit);
   if (filter.status) query = query.where('requests.status', '=', filter.status);
-  if (filter.project) query = query.where('projects.name', '=', filter.project);
+  if (filter.project !== undefined) query = query.where('projects.name', '=', filter.project);
   if (filter.mode) query = query.where('requests.mode', '=', filter.mode);
   return query.execute();
 }
