@@ -254,6 +254,22 @@ t.test('a database, a gateway or a file out of reach, and a port in use: one lin
   t.notMatch(portInUse.stderr, stack, portInUse.stderr);
 });
 
+t.test('request says what it cannot send as such, in one line, never with the key, rather than that the gateway did not answer', async (t) => {
+  const closedPort = await freePort();
+  const env = { GATEWAY_API_KEY: 'svc_test_x', GATEWAY_SIGNING_SECRET: 'svc_sig_x', GATEWAY_BASE_URL: `http://127.0.0.1:${closedPort}` };
+  const cases: [string[], Record<string, string>, string][] = [
+    [['GET', '/v1/requests/req_x', '{}'], {}, 'Cannot send GET /v1/requests/req_x: Request with GET/HEAD method cannot have body.\n'],
+    [['GE T', '/v1/requests/req_x'], {}, "Cannot send GE T /v1/requests/req_x: 'GE T' is not a valid HTTP method.\n"],
+    // A key pasted with a line break in it: a header cannot carry it, and the message named it whole.
+    [['GET', '/v1/requests/req_x'], { GATEWAY_API_KEY: 'svc_test_first\nsecond' }, 'Cannot send GET /v1/requests/req_x: Headers.append: "Bearer <GATEWAY_API_KEY>" is an invalid header value.\n'],
+  ];
+  for (const [args, settings, said] of cases) {
+    const result = await runCli(['request', ...args], { ...env, ...settings });
+    t.equal(result.code, 1, args.join(' '));
+    t.equal(result.stderr, said, args.join(' '));
+  }
+});
+
 t.test('request makes signed calls from the environment\'s key and secret', async (t) => {
   const service = await startTestGateway(t);
   const key = await service.createKey();

@@ -44,10 +44,9 @@ async function requestCommand(
     });
     print.err(`> ${method} ${url.href}\n> string to sign:\n${indent(lines)}\n> Svc-Signature: ${signed.header}`);
   }
-  let response: Response;
-  let text: string;
+  let request: Request;
   try {
-    response = await fetch(url.href, {
+    request = new Request(url.href, {
       method,
       headers: {
         authorization: `Bearer ${apiKey}`,
@@ -56,6 +55,16 @@ async function requestCommand(
       },
       ...(body === undefined ? {} : { body }),
     });
+  } catch (error) {
+    // What fetch refuses before it connects: a method it does not send (CONNECT, one with a
+    // space), a body with GET or HEAD, a key that a header cannot carry (whose message names it).
+    const why = (error as Error).message.replaceAll(apiKey, '<GATEWAY_API_KEY>');
+    throw new CommandError(`Cannot send ${method} ${command.path}: ${why}`);
+  }
+  let response: Response;
+  let text: string;
+  try {
+    response = await fetch(request);
     text = await response.text();
   } catch (error) {
     throw new CommandError(`No answer from ${url.origin}: ${whyNotConnected(error)}.`);
