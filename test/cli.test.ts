@@ -1,7 +1,10 @@
 // The gateway command line (docs/cli.md) against a database; its exit codes and streams also as a
 // process of its own.
 import { createHash, randomBytes } from 'node:crypto';
+import { chmod, mkdtemp, rm } from 'node:fs/promises';
 import net from 'node:net';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
 import pg from 'pg';
 import t from 'tap';
 import { listMigrations } from '../src/db/migrate.ts';
@@ -268,6 +271,25 @@ t.test('request says what it cannot send as such, in one line, never with the ke
     t.equal(result.code, 1, args.join(' '));
     t.equal(result.stderr, said, args.join(' '));
   }
+});
+
+t.test('an embedded Postgres that cannot start (its port held): one line saying why, exit 1, no stack', async (t) => {
+  const dataDir = await mkdtemp(path.join(tmpdir(), 'gateway-cli-embedded-'));
+  // Run as root, the embedded Postgres runs as a "postgres" user, which must reach its directory.
+  await chmod(dataDir, 0o755);
+  t.teardown(() => rm(dataDir, { recursive: true, force: true }));
+  const holder = net.createServer();
+  await new Promise<void>((resolve) => holder.listen(0, '127.0.0.1', resolve));
+  t.teardown(() => new Promise<void>((resolve) => holder.close(() => resolve())));
+  const port = (holder.address() as net.AddressInfo).port;
+
+  const result = await runCliProcess(['stats'], { DATA_DIR: dataDir, EMBEDDED_POSTGRES_PORT: String(port) });
+  t.equal(result.code, 1);
+  t.equal(
+    result.stderr,
+    `The embedded Postgres in ${dataDir}/postgres did not start: could not create any TCP/IP sockets ` +
+      `(is port ${port} already in use? set EMBEDDED_POSTGRES_PORT to choose another).\n`,
+  );
 });
 
 t.test('request makes signed calls from the environment\'s key and secret', async (t) => {

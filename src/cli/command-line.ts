@@ -6,6 +6,7 @@ import { inspect } from 'node:util';
 import pg from 'pg';
 import * as v from 'valibot';
 import { ConfigError, loadConfig } from '../config.ts';
+import { EmbeddedPostgresError } from '../db/embedded.ts';
 import { MigrationChangedError } from '../db/migrate.ts';
 import { MissingEncryptionKeyError } from '../keys/service.ts';
 import { errorCode, findCause, isTlsFailure, isUnreachable } from '../network-errors.ts';
@@ -80,6 +81,7 @@ export async function runCommandLine(argv: string[], io: CommandLineIo): Promise
       error instanceof CommandError ||
       error instanceof ConfigError ||
       error instanceof MigrationChangedError ||
+      error instanceof EmbeddedPostgresError ||
       error instanceof MissingEncryptionKeyError ||
       error instanceof v.ValiError
     ) {

@@ -104,14 +104,20 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
     await postgres.ready;
   } catch (error) {
     await stopping.stop();
-    throw new Error(
-      `The embedded Postgres in ${directory} did not start (is port ${options.port} already in use? ` +
-        'set EMBEDDED_POSTGRES_PORT to choose another)',
+    const why = postgres.fatal() ?? (error as Error).message;
+    throw new EmbeddedPostgresError(
+      `The embedded Postgres in ${directory} did not start: ${why} (is port ${options.port} already in use? ` +
+        'set EMBEDDED_POSTGRES_PORT to choose another).',
       { cause: error },
     );
   }
   options.logger.info({ directory, port: options.port }, 'embedded Postgres started');
   return { url: urlFor(options.port), ...stopping };
+}
+
+/** An embedded Postgres that did not start: its message says why, in one line (the command line prints no stack). */
+export class EmbeddedPostgresError extends Error {
+  override name = 'EmbeddedPostgresError';
 }
 
 /** The signals that end a process unless handled: a terminal's Ctrl-C, a kill, a terminal closed. */
@@ -200,9 +206,13 @@ function stopWithProcess(postmaster: Postmaster, directory: string): Pick<Embedd
  * Starts the package's postgres binary with these arguments, as the package would (as the
  * "postgres" user when run as root, messages in English), but detached: in a session and process
  * group of its own, so that no signal meant for the gateway's group reaches it. `ready` resolves
- * once it accepts connections, and rejects if it exits first.
+ * once it accepts connections, and rejects if it exits first; `fatal` is then why, as the last
+ * FATAL (or PANIC) line of its log says it (its log is otherwise logged at debug only).
  */
-async function startPostgres(args: string[], log: Logger): Promise<{ child: ChildProcess; ready: Promise<void> }> {
+async function startPostgres(
+  args: string[],
+  log: Logger,
+): Promise<{ child: ChildProcess; ready: Promise<void>; fatal(): string | undefined }> {
   const { postgres: binary } = await getBinaries();
   const ids = userInfo().uid === 0 ? await postgresUserIds() : {};
   const child = spawn(binary, args, {
@@ -211,6 +221,7 @@ async function startPostgres(args: string[], log: Logger): Promise<{ child: Chil
     stdio: ['ignore', 'ignore', 'pipe'],
     env: { ...process.env, LC_MESSAGES: 'C' },
   });
+  let fatal: string | undefined;
   const ready = new Promise<void>((resolve, reject) => {
     // Its log, a line at a time (a chunk may end in the middle of one).
     let partial = '';
@@ -220,13 +231,14 @@ async function startPostgres(args: string[], log: Logger): Promise<{ child: Chil
       partial = lines.pop()!;
       for (const line of lines) {
         log.debug({ message: line.trim() });
+        fatal = /\b(?:FATAL|PANIC):\s+(.*)$/.exec(line.trim())?.[1] ?? fatal;
         if (line.includes('database system is ready to accept connections')) resolve();
       }
     });
     child.once('error', reject);
     child.once('exit', (code, signal) => reject(new Error(`postgres exited (${signal ?? `code ${code}`})`)));
   });
-  return { child, ready };
+  return { child, ready, fatal: () => fatal };
 }
 
 /** The uid and gid of the "postgres" user the package creates when run as root. */
