@@ -118,7 +118,19 @@ export function pathRelativeTo(url: URL, base: URL): string {
   if (url.origin !== base.origin || !underBase) {
     throw new TypeError(`${url.origin}${url.pathname} is not under the gateway's base URL ${base.href}`);
   }
-  return url.pathname.slice(prefix.length) + url.search;
+  return url.pathname.slice(prefix.length) + queryAsSent(url);
+}
+
+/**
+ * The query of `url` as fetch sends it, `?` included. `url.search` is '' for an empty query,
+ * but the URL keeps its `?` (`/v1/x?`), and fetch sends it. The first `?` of the href before
+ * its `#` starts the query: neither can stand unencoded in the parts before it.
+ */
+function queryAsSent(url: URL): string {
+  if (url.search !== '') return url.search;
+  const href = url.href;
+  const hash = href.indexOf('#');
+  return (hash === -1 ? href : href.slice(0, hash)).includes('?') ? '?' : '';
 }
 
 const utf8 = new TextEncoder();

@@ -8,6 +8,7 @@ import {
   signRequest,
   stringToSign,
 } from '../../src/client/index.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
 import { API_KEY, BASE_URL, SECRET, checkCall, checkSignature, completion, jsonResponse, scriptedFetch } from './support.ts';
 
 const hmacHex = (payload: string) => createHmac('sha256', Buffer.from(SECRET, 'utf8')).update(payload).digest('hex');
@@ -128,4 +129,18 @@ t.test('the signing fetch signs each call afresh and refuses URLs outside its ba
   await t.rejects(signingFetch('http://other.test/gateway/v1/chat/completions'), /not under the gateway's base URL/);
   await t.rejects(signingFetch('http://host.test/v1/chat/completions'), /not under the gateway's base URL/);
   t.equal(calls.length, 2, 'nothing unsigned was sent');
+});
+
+t.test('the signing fetch signs a URL with an empty query (a trailing ?) as sent, and the gateway accepts it', async (t) => {
+  const gateway = await startTestGateway(t, { env: { SIGNATURES: 'required' } });
+  const key = await gateway.createKey({ mode: 'test' });
+  const signingFetch = createSigningFetch({ signingSecret: key.signing_secret });
+  const id = 'req_0000000000000000000000';
+  for (const query of ['?', '?a=1', '']) {
+    const response = await signingFetch(`${gateway.url}/v1/requests/${id}${query}`, {
+      headers: { authorization: `Bearer ${key.api_key}` },
+    });
+    const body = (await response.json()) as { error: { code: string } };
+    t.equal(body.error.code, 'request_not_found', `'${query}': the signature is accepted, the id looked up`);
+  }
 });
