@@ -54,6 +54,15 @@ export class Gateway {
   constructor(options: GatewayOptions) {
     if (!options.apiKey) throw new GatewayError('An apiKey is required (svc_live_... or svc_test_...).');
     if (!options.signingSecret) throw new GatewayError('A signingSecret is required (svc_sig_..., shown with the key).');
+    // fetch refuses such a header on every attempt, with an error that quotes it (and whatever
+    // was pasted with the key): refused here, once, without showing it. fetch trims the tabs,
+    // spaces and line breaks around a header value, so those are no fault.
+    if (/[\0\r\n\u0100-\uffff]/.test(options.apiKey.replace(/^[\t\n\r ]+|[\t\n\r ]+$/g, ''))) {
+      throw new GatewayError(
+        'The apiKey cannot be sent in a header: it holds a line break, a NUL or a character beyond Latin-1. ' +
+          'It is svc_live_ or svc_test_ followed by letters and digits, on one line.',
+      );
+    }
     this.#apiKey = options.apiKey;
     this.#signingSecret = options.signingSecret;
     this.#base = normalizeBaseURL(options.baseURL ?? DEFAULT_BASE_URL);

@@ -1,4 +1,5 @@
 // Failures become typed errors, one class per status family, with the contract's fields.
+import { inspect } from 'node:util';
 import t from 'tap';
 import {
   APIError,
@@ -112,4 +113,23 @@ t.test('an error answer that is not the contract shape still gives its status, a
   t.equal(error.code, null);
   t.equal(error.param, null);
   t.equal(error.message, '502 <html>Bad Gateway</html>');
+});
+
+t.test('an apiKey that fetch cannot send (a line break, NUL or non-Latin-1 inside) is refused by new Gateway, without showing it', async (t) => {
+  // As `gateway keys create` prints them, the key and its secret on two lines, pasted into one variable.
+  const pasted = `${API_KEY}\n${SECRET}`;
+  for (const apiKey of [pasted, `${API_KEY}\r\nX: y`, `${API_KEY.slice(0, 20)}\0${API_KEY.slice(20)}`, `${API_KEY}\u200b`]) {
+    let calls = 0;
+    const error = await (async () => {
+      const client = new Gateway({ apiKey, signingSecret: SECRET, baseURL: 'http://127.0.0.1:9', maxRetries: 2 });
+      calls++;
+      return client.requests.get('req_x');
+    })().catch((caught: unknown) => caught);
+    const shown = inspect(error);
+    t.type(error, GatewayError, JSON.stringify(apiKey.slice(-12)));
+    t.notOk(error instanceof APIError, 'not a connection error, retried: the key cannot be sent at all');
+    t.equal(calls, 0, 'refused by new Gateway');
+    t.notOk(shown.includes(API_KEY.slice(9)) || shown.includes(SECRET.slice(8)), 'neither the key nor the secret is in the error');
+  }
+  t.ok(new Gateway({ apiKey: `${API_KEY}\n`, signingSecret: SECRET }), 'a line break at the end is no part of the header (fetch trims it)');
 });
