@@ -96,6 +96,10 @@ export function normalizeBaseURL(baseURL: string | URL): URL {
   if (url.protocol !== 'http:' && url.protocol !== 'https:') {
     throw new TypeError(`The base URL must be http or https, not ${url.protocol}`);
   }
+  // fetch refuses every request to such a URL, with an error that quotes it, password and all.
+  if (url.username !== '' || url.password !== '') {
+    throw new TypeError('The base URL cannot carry a user name or password (fetch refuses such a URL): send credentials in headers.');
+  }
   url.pathname = url.pathname.replace(/\/+$/, '').replace(/\/v1$/, '');
   url.search = '';
   url.hash = '';

@@ -1,4 +1,5 @@
 import { createHash, createHmac } from 'node:crypto';
+import { inspect } from 'node:util';
 import t from 'tap';
 import {
   Gateway,
@@ -142,5 +143,25 @@ t.test('the signing fetch signs a URL with an empty query (a trailing ?) as sent
     });
     const body = (await response.json()) as { error: { code: string } };
     t.equal(body.error.code, 'request_not_found', `'${query}': the signature is accepted, the id looked up`);
+  }
+});
+
+t.test('a base URL with a user name or password, which fetch refuses, is refused by new Gateway and createSigningFetch without showing them', async (t) => {
+  for (const baseURL of ['http://user:hunter2@127.0.0.1:9', 'http://hunter2@127.0.0.1:9/gateway/v1']) {
+    const error = await (async () => {
+      const client = new Gateway({ apiKey: API_KEY, signingSecret: SECRET, baseURL, maxRetries: 1 });
+      return client.requests.get('req_x');
+    })().catch((caught: unknown) => caught);
+    t.type(error, TypeError, `${baseURL}: refused as it is given, not a connection error retried`);
+    t.notOk(inspect(error).includes('hunter2'), 'the password is not in the error');
+    const refusal = (() => {
+      try {
+        return createSigningFetch({ signingSecret: SECRET, baseURL });
+      } catch (caught) {
+        return caught;
+      }
+    })();
+    t.type(refusal, TypeError, 'createSigningFetch refuses it too');
+    t.notOk(inspect(refusal).includes('hunter2'));
   }
 });
