@@ -3,8 +3,10 @@
 import http from 'node:http';
 import t from 'tap';
 import {
+  APIError,
   ConflictError,
   Gateway,
+  GatewayError,
   InternalServerError,
   NotFoundError,
   type CancelledRequestRecord,
@@ -125,4 +127,21 @@ t.test('cancelling an unknown id throws NotFoundError request_not_found, not ret
   t.type(error, NotFoundError);
   t.equal((error as NotFoundError).code, 'request_not_found');
   t.equal(received.length, 1);
+});
+
+t.test('an id of . or .. is refused with a GatewayError, not sent to the route a URL resolves it to', async (t) => {
+  const { client, received } = await fakeGateway(t, [{ status: 405, body: errorBody('invalid_request_error', 'method_not_allowed') }]);
+  for (const id of ['.', '..']) {
+    for (const [call, promise] of [
+      ['cancel', client.requests.cancel(id)],
+      ['get', client.requests.get(id)],
+    ] as const) {
+      const error = await promise.catch((caught: unknown) => caught);
+      t.type(error, GatewayError, `${call}('${id}')`);
+      t.notOk(error instanceof APIError, `${call}('${id}'): no answer, as nothing was sent`);
+    }
+  }
+  t.same(received.map((call) => `${call.method} ${call.path}`), [], 'nothing reached the server (POST /v1/requests/cancel, GET /v1/, ...)');
+  await client.requests.get('.x').catch(() => undefined);
+  t.equal(received[0]?.path, '/v1/requests/.x', 'a dot within an id is sent as is');
 });

@@ -1,6 +1,7 @@
 // client.requests: GET /v1/requests/{id} (docs/api.md, "Looking up a request"), polling it to
 // the end, and POST /v1/requests/{id}/cancel ("Cancelling a request").
 import { Backoff, jitter } from '../backoff.ts';
+import { GatewayError } from '../errors.ts';
 import { checkMilliseconds, type RequestFunction, type RequestOptions } from '../request.ts';
 import { sleep } from '../retry.ts';
 import type { CancelledRequestRecord, RequestRecord, TerminalRequestRecord } from '../types.ts';
@@ -20,8 +21,8 @@ export class Requests {
   }
 
   /** The request record; a NotFoundError for an unknown id or one of another project or mode. */
-  get(id: string, options?: RequestOptions): Promise<RequestRecord> {
-    return this.#request({ method: 'GET', path: `/v1/requests/${encodeURIComponent(id)}` }, options);
+  async get(id: string, options?: RequestOptions): Promise<RequestRecord> {
+    return this.#request({ method: 'GET', path: `/v1/requests/${idSegment(id)}` }, options);
   }
 
   /**
@@ -31,8 +32,8 @@ export class Requests {
    * `request_already_finished`) when it is completed or failed already, and a NotFoundError
    * for an unknown id or one of another project or mode.
    */
-  cancel(id: string, options?: RequestOptions): Promise<CancelledRequestRecord> {
-    return this.#request({ method: 'POST', path: `/v1/requests/${encodeURIComponent(id)}/cancel` }, options);
+  async cancel(id: string, options?: RequestOptions): Promise<CancelledRequestRecord> {
+    return this.#request({ method: 'POST', path: `/v1/requests/${idSegment(id)}/cancel` }, options);
   }
 
   /**
@@ -52,4 +53,16 @@ export class Requests {
       await sleep(jitter(pauses.next(), 0.2), options.signal);
     }
   }
+}
+
+/**
+ * The id as a path segment, percent-encoded. `.` and `..` are refused with a GatewayError: a URL
+ * resolves such a segment away, encoded or not (GET /v1/requests/.. is GET /v1/, and a cancel of
+ * `.` is POST /v1/requests/cancel), so the call would go to another route.
+ */
+function idSegment(id: string): string {
+  if (id === '.' || id === '..') {
+    throw new GatewayError(`'${id}' is not a request id, and cannot be sent as one: a URL resolves it away.`);
+  }
+  return encodeURIComponent(id);
 }
