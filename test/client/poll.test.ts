@@ -74,3 +74,18 @@ t.test('a pause longer than a timer keeps (above 2^31 - 1 ms), or not a number, 
     }
   }
 });
+
+t.test('maxPollIntervalMs bounds every pause, the first too, when it is below pollIntervalMs', async (t) => {
+  const { client, calls } = clientWith([
+    jsonResponse(200, record('queued')),
+    jsonResponse(200, record('processing')),
+    jsonResponse(200, record('processing')),
+    jsonResponse(200, record('completed', { result: completion() })),
+  ]);
+  const started = performance.now();
+  const result = await client.requests.poll('req_0123456789abcdefghijklmn', { pollIntervalMs: 1_000, maxPollIntervalMs: 20 });
+  const elapsed = performance.now() - started;
+  t.equal(result.status, 'completed');
+  t.equal(calls.length, 4);
+  t.ok(elapsed < 600, `three pauses of at most 20 ms took ${Math.round(elapsed)} ms (not three of 1 s)`);
+});

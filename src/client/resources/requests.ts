@@ -42,10 +42,10 @@ export class Requests {
    */
   async poll(id: string, options: PollOptions = {}): Promise<TerminalRequestRecord> {
     const { pollIntervalMs = 250, maxPollIntervalMs = 5_000, ...requestOptions } = options;
-    const pauses = new Backoff(
-      checkMilliseconds('pollIntervalMs', pollIntervalMs),
-      checkMilliseconds('maxPollIntervalMs', maxPollIntervalMs),
-    );
+    const longest = checkMilliseconds('maxPollIntervalMs', maxPollIntervalMs);
+    // A Backoff whose ceiling is below its first wait keeps that first wait: the longest pause
+    // asked for bounds the first one too.
+    const pauses = new Backoff(Math.min(checkMilliseconds('pollIntervalMs', pollIntervalMs), longest), longest);
     for (;;) {
       const record = await this.get(id, requestOptions);
       if (record.status === 'completed' || record.status === 'failed' || record.status === 'cancelled') return record;
