@@ -25,13 +25,14 @@ t.test('requests show, requests list and stats', async (t) => {
   const shown = JSON.parse(await run('requests', 'show', flaky, '--json'));
   t.match(shown.request, { id: flaky, project: 'alpha', mode: 'test', status: 'completed', attempts: 2, idempotency_key: 'flaky-1' });
   t.match(shown.attempts, [
-    { attempt_number: 1, outcome: 'failed', error_code: 'upstream_server_error' },
-    { attempt_number: 2, outcome: 'succeeded' },
+    { attempt_number: 1, upstream: 'simulator', outcome: 'failed', charged: true, error_code: 'upstream_server_error' },
+    { attempt_number: 2, upstream: 'simulator', outcome: 'succeeded', charged: null },
   ]);
   const human = await run('requests', 'show', flaky);
   t.match(human, new RegExp(`^Request ${flaky}`));
   t.match(human, /status\s+completed/);
-  t.match(human, /^#\s+outcome\s+error_code/m);
+  t.match(human, /^#\s+upstream\s+outcome\s+charged\s+error_code/m);
+  t.match(human, /^1\s+simulator\s+failed\s+true\s+upstream_server_error/m, 'each attempt names its upstream, and whether it was charged');
 
   const all = JSON.parse(await run('requests', 'list', '--json'));
   t.same(all.map((row: { id: string }) => row.id), [live, broken, flaky], 'newest first');

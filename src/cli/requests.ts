@@ -39,7 +39,7 @@ async function showRequestCommand(db: Db, id: string, options: { json: boolean }
       ? '  (none yet)'
       : table(
           attempts.map((attempt) => ({ '#': attempt.attempt_number, ...attempt })),
-          ['#', 'outcome', 'error_code', 'upstream_status', 'duration_ms', 'started_at', 'finished_at', 'error_detail'],
+          ['#', 'upstream', 'outcome', 'charged', 'error_code', 'upstream_status', 'duration_ms', 'started_at', 'finished_at', 'error_detail'],
         ),
   );
   return lines.join('\n');

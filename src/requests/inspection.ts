@@ -64,7 +64,9 @@ export async function findRequestDetail(db: Db, id: string) {
     .selectFrom('request_attempts')
     .select([
       'attempt_number',
+      'upstream',
       'outcome',
+      'charged',
       'error_code',
       'upstream_status',
       'duration_ms',
