@@ -7,6 +7,7 @@ import { createTestDatabase } from './helpers/database.ts';
 import { freePort } from './helpers/ports.ts';
 import { spawnServe } from './helpers/serve.ts';
 import { startTcpProxy } from './helpers/tcp-proxy.ts';
+import type { Teardown } from './helpers/teardown.ts';
 import { until } from './helpers/wait.ts';
 
 for (const role of ['api', 'worker'] as const) {
@@ -55,18 +56,24 @@ t.test('gateway serve stops at once for a database that refuses it for a reason 
   t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without waiting for it');
 });
 
+/** `gateway serve --role <role>` on `url`, and how it exited, if it did within 20 s. */
+async function serveFor20Seconds(t: Teardown, url: URL, role: 'api' | 'worker') {
+  const gateway = spawnServe(t, {
+    DATABASE_URL: url.toString(),
+    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+    PORT: String(await freePort()),
+    HOST: '127.0.0.1',
+    LOG_LEVEL: 'info',
+  }, ['--role', role]);
+  const exit = await Promise.race([gateway.exited(), sleep(20_000).then(() => undefined)]);
+  return { gateway, exit };
+}
+
 for (const role of ['api', 'worker'] as const) {
   t.test(`gateway serve --role ${role} stops at once, saying why, for a connection the database will never take: TLS it does not have`, async (t) => {
     const url = new URL(await createTestDatabase(t));
     url.searchParams.set('sslmode', 'require');
-    const gateway = spawnServe(t, {
-      DATABASE_URL: url.toString(),
-      SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
-      PORT: String(await freePort()),
-      HOST: '127.0.0.1',
-      LOG_LEVEL: 'info',
-    }, ['--role', role]);
-    const exit = await Promise.race([gateway.exited(), sleep(20_000).then(() => undefined)]);
+    const { gateway, exit } = await serveFor20Seconds(t, url, role);
     t.ok(exit, 'it exits within 20 s');
     t.not(exit?.code, 0, 'with an error');
     t.match(gateway.output(), /The server does not support SSL connections/, 'saying why');
@@ -87,14 +94,7 @@ t.test('gateway serve stops at once, saying why, for a DATABASE_URL whose certif
   const url = new URL(await createTestDatabase(t));
   url.searchParams.set('sslmode', 'verify-full');
   url.searchParams.set('sslrootcert', '/nonexistent/root.crt');
-  const gateway = spawnServe(t, {
-    DATABASE_URL: url.toString(),
-    SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
-    PORT: String(await freePort()),
-    HOST: '127.0.0.1',
-    LOG_LEVEL: 'info',
-  }, ['--role', 'worker']);
-  const exit = await Promise.race([gateway.exited(), sleep(20_000).then(() => undefined)]);
+  const { gateway, exit } = await serveFor20Seconds(t, url, 'worker');
   t.ok(exit, 'it exits within 20 s', { output: gateway.output() });
   t.equal(exit?.code, 1, 'with code 1');
   t.notOk(gateway.entries().some((entry) => entry.msg === 'database unavailable at start; waiting for it'), 'without taking the file for the database out of reach');
