@@ -273,6 +273,23 @@ t.test('request says what it cannot send as such, in one line, never with the ke
   }
 });
 
+t.test('request refuses a base URL with a user name or password without printing the password', async (t) => {
+  const closedPort = await freePort();
+  const password = `pw${randomBase62(24)}`;
+  const result = await runCli(['request', 'GET', '/v1/requests/req_x'], {
+    GATEWAY_API_KEY: 'svc_test_x',
+    GATEWAY_SIGNING_SECRET: 'svc_sig_x',
+    GATEWAY_BASE_URL: `http://operator:${password}@127.0.0.1:${closedPort}`,
+  });
+  t.equal(result.code, 1);
+  t.equal(
+    result.stderr,
+    `Cannot call /v1/requests/req_x on http://127.0.0.1:${closedPort}/: ` +
+      'The base URL cannot carry a user name or password (fetch refuses such a URL): send credentials in headers.\n',
+  );
+  t.notOk(`${result.stdout}${result.stderr}`.includes(password), 'the password is not printed');
+});
+
 t.test('an embedded Postgres that cannot start (its port held): one line saying why, exit 1, no stack', async (t) => {
   const dataDir = await mkdtemp(path.join(tmpdir(), 'gateway-cli-embedded-'));
   // Run as root, the embedded Postgres runs as a "postgres" user, which must reach its directory.

@@ -82,10 +82,19 @@ function target(baseUrl: string, path: string): { url: URL; path: string } {
     const url = urlUnder(base, path);
     return { url, path: pathRelativeTo(url, base) };
   } catch (error) {
-    // A base URL that is not http(s), or a path that leads out of it (`//host/...`, or `..` above
-    // the base URL's own path).
-    throw new CommandError(`Cannot call ${path} on ${baseUrl}: ${(error as Error).message}`);
+    // A base URL that is not http(s) or carries credentials, or a path that leads out of it
+    // (`//host/...`, or `..` above the base URL's own path).
+    throw new CommandError(`Cannot call ${path} on ${withoutCredentials(baseUrl)}: ${(error as Error).message}`);
   }
+}
+
+/** The URL as a message may quote it: without the user name and password it may carry. */
+function withoutCredentials(text: string): string {
+  const url = URL.parse(text);
+  if (url === null || (url.username === '' && url.password === '')) return text;
+  url.username = '';
+  url.password = '';
+  return url.href;
 }
 
 async function readBody(body: string | undefined): Promise<string | undefined> {
