@@ -116,10 +116,12 @@ function upstreamsFile(env: Record<string, string | undefined>) {
           (issue) =>
             `names ${String(issue.input)}, a variable of the gateway's own; an upstream's key must be in a variable of its own (it is sent to the upstream)`,
         ),
-        // The message names the variable only: its value is a key and never goes into a message.
+        // The message quotes neither the variable's value (a key) nor its name: a key written
+        // here in place of a name is a name to the regex above when it is letters, digits and
+        // "_" only, as many providers' keys are. The path names the line at fault.
         v.check(
           (name) => !ENV_NAME.test(name) || isGatewayVariable(name) || keyIn(env, name) !== undefined,
-          (issue) => `names the environment variable ${String(issue.input)}, which is not set or empty`,
+          'names an environment variable that is not set or empty',
         ),
       ),
     ),

@@ -11,6 +11,8 @@ import {
   UpstreamsFileError,
   type Upstream,
 } from '../../src/upstream/upstreams.ts';
+import { randomBase62 } from '../../src/ids.ts';
+import { runCli } from '../helpers/cli.ts';
 
 const directory = mkdtempSync(path.join(tmpdir(), 'gateway-upstreams-'));
 t.teardown(() => rmSync(directory, { recursive: true, force: true }));
@@ -234,7 +236,7 @@ t.test('every problem in the file is listed, not only the first', async (t) => {
   ]);
 });
 
-t.test('a missing key variable is named, and no key is ever printed', async (t) => {
+t.test('a missing key variable is reported by its path, and no key is ever printed', async (t) => {
   const content = {
     upstreams: [
       { name: 'a', base_url: 'https://a.example', api_key_env: 'MISSING_KEY', models: ['*'] },
@@ -244,10 +246,24 @@ t.test('a missing key variable is named, and no key is ever printed', async (t) 
   };
   const environment = { ...env, BLANK_KEY: '  ' };
   const message = problemsOf(t, content, 'upstreams.json', environment);
-  t.match(message, /upstreams\[0\]\.api_key_env: names the environment variable MISSING_KEY, which is not set or empty/);
-  t.match(message, /upstreams\[1\]\.api_key_env: names the environment variable BLANK_KEY, which is not set or empty/);
+  t.match(message, /upstreams\[0\]\.api_key_env: names an environment variable that is not set or empty/);
+  t.match(message, /upstreams\[1\]\.api_key_env: names an environment variable that is not set or empty/);
   t.notMatch(message, /upstreams\[2\]\.api_key_env/, 'a set variable is no problem');
   for (const value of Object.values(env)) t.notOk(message.includes(value), 'no key in the message');
+});
+
+t.test('a key written in api_key_env in place of a variable\'s name is not printed, by the check nor by the command line', async (t) => {
+  // Many providers' keys are letters, digits and "_" only: such a key passes for a variable's name.
+  const key = `gsk_${randomBase62(40)}`;
+  const content = { upstreams: [{ name: 'a', base_url: 'https://a.example', api_key_env: key, models: ['*'] }] };
+  const message = problemsOf(t, content);
+  t.match(message, /upstreams\[0\]\.api_key_env: names an environment variable that is not set or empty/);
+  t.notOk(message.includes(key), 'the key is not in the message');
+
+  const cli = await runCli(['migrate'], { UPSTREAMS_FILE: file('upstreams.json', content) });
+  t.equal(cli.code, 1);
+  t.match(cli.stderr, /upstreams\[0\]\.api_key_env/);
+  t.notOk(`${cli.stdout}${cli.stderr}`.includes(key), 'gateway prints no key');
 });
 
 t.test('api_key_env may not name one of the gateway\'s own variables, reported with the file\'s other problems', async (t) => {
