@@ -7,7 +7,7 @@ import * as v from 'valibot';
 // that becomes a timer is refused beyond it, as the client library refuses such an option.
 import { MAX_WAIT_MS } from './client/request.ts';
 import { Deadline, Duration } from './duration.ts';
-import { defaultUpstream, loadUpstreamsFile, UpstreamsFileError, type Upstream } from './upstream/upstreams.ts';
+import { defaultUpstream, hasCredentials, loadUpstreamsFile, UpstreamsFileError, type Upstream } from './upstream/upstreams.ts';
 
 /**
  * What one upstream call in flight costs a worker process in resident memory: its connection,
@@ -95,6 +95,7 @@ const Environment = v.object({
       v.string(),
       v.trim(),
       v.url('UPSTREAM_BASE_URL must be a URL'),
+      v.check((url) => !hasCredentials(url), 'UPSTREAM_BASE_URL may not hold a user name or password: set UPSTREAM_API_KEY'),
       v.transform((url) => url.replace(/\/+$/, '')),
     ),
     'https://api.openai.com/v1',

@@ -105,6 +105,7 @@ function upstreamsFile(env: Record<string, string | undefined>) {
       v.string('must be a string'),
       v.trim(),
       v.check(isHttpUrl, 'must be an http or https URL'),
+      v.check((url) => !hasCredentials(url), 'may not hold a user name or password (an upstream\'s key goes in the variable api_key_env names)'),
       v.transform((url) => url.replace(/\/+$/, '')),
     ),
     api_key_env: v.optional(
@@ -222,6 +223,15 @@ export function modelLabel(upstream: Upstream, model: string): string {
 function matchingPattern(upstream: Upstream, model: string): string | undefined {
   if (upstream.models.includes(model)) return model;
   return upstream.models.find((pattern) => pattern.endsWith('*') && model.startsWith(pattern.slice(0, -1)));
+}
+
+/**
+ * Whether the URL holds a user name or password. Calls are made with undici, which sends none of
+ * them: they would reach no upstream, only what shows the URL (gateway upstreams).
+ */
+export function hasCredentials(value: string): boolean {
+  const url = URL.parse(value);
+  return url !== null && (url.username !== '' || url.password !== '');
 }
 
 function isHttpUrl(value: string): boolean {

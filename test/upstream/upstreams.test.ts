@@ -13,6 +13,7 @@ import {
 } from '../../src/upstream/upstreams.ts';
 import { randomBase62 } from '../../src/ids.ts';
 import { runCli } from '../helpers/cli.ts';
+import { createTestDatabase } from '../helpers/database.ts';
 
 const directory = mkdtempSync(path.join(tmpdir(), 'gateway-upstreams-'));
 t.teardown(() => rmSync(directory, { recursive: true, force: true }));
@@ -264,6 +265,25 @@ t.test('a key written in api_key_env in place of a variable\'s name is not print
   t.equal(cli.code, 1);
   t.match(cli.stderr, /upstreams\[0\]\.api_key_env/);
   t.notOk(`${cli.stdout}${cli.stderr}`.includes(key), 'gateway prints no key');
+});
+
+t.test('an upstream URL with a user name or password is refused without showing it, rather than listed by gateway upstreams', async (t) => {
+  // undici sends no credentials of the URL: they would reach no upstream, only what prints the URL.
+  const password = `pw${randomBase62(24)}`;
+  const databaseUrl = await createTestDatabase(t);
+  const fromFile = file('upstreams.json', {
+    upstreams: [{ name: 'a', base_url: `https://acct:${password}@a.example/v1`, models: ['*'] }],
+  });
+  const cases: [string, Record<string, string>, RegExp][] = [
+    ['UPSTREAMS_FILE', { UPSTREAMS_FILE: fromFile }, /upstreams\[0\]\.base_url: may not hold a user name or password/],
+    ['UPSTREAM_BASE_URL', { UPSTREAM_BASE_URL: `https://acct:${password}@b.example/v1` }, /UPSTREAM_BASE_URL may not hold a user name or password/],
+  ];
+  for (const [where, settings, said] of cases) {
+    const result = await runCli(['upstreams', '--json'], { DATABASE_URL: databaseUrl, ...settings });
+    t.equal(result.code, 1, `${where}: refused`);
+    t.match(result.stderr, said, `${where}: says why`);
+    t.notOk(`${result.stdout}${result.stderr}`.includes(password), `${where}: the password is not printed`);
+  }
 });
 
 t.test('api_key_env may not name one of the gateway\'s own variables, reported with the file\'s other problems', async (t) => {
