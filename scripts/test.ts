@@ -52,6 +52,7 @@ const LONG = [
   'test/faults/7-webhook-receiver-down.test.ts',
   'test/outages/503.test.ts',
   'test/outages/auth-refused.test.ts',
+  'test/outages/brownout.test.ts',
   'test/outages/connection-refused.test.ts',
   'test/outages/fallback.test.ts',
   'test/outages/hang.test.ts',

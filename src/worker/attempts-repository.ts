@@ -68,12 +68,18 @@ export interface FinishSettings {
  *
  * Whose fault a failure is decides whether it is charged toward MAX_ATTEMPTS: the request's own
  * faults, yes; a 429, never; the provider's (fault 'upstream') only while the lane is otherwise
- * healthy: it is healthy, and either a call of the group succeeded, or the lane's last call did
- * (no failure since: failure_streak 0) and no other call of the group failed. So a request that
- * fails where others succeed (poison) is charged each time and ends, while one that fails with
- * nothing succeeding between its attempts is charged once and then waits: the provider may be
- * down with nobody else calling it. In test mode every failure is charged: the simulator fails
- * only as the request asks it to.
+ * healthy: it is healthy, and most of its calls do not fail. Within a minute of the lane's calls
+ * begun by a failure (its window), that is: at most half of the window's calls, with the group's,
+ * failed; with no window open, at least as many calls of the group succeeded as failed, or the
+ * lane's last call did (no failure since: failure_streak 0), no other call of the group failed,
+ * and the lane has not closed after an outage within the minute. So a request that fails where
+ * others succeed (poison) is charged each time and ends, while one that fails with nothing
+ * succeeding between its attempts is charged once and then waits: the provider may be down with
+ * nobody else calling it. A provider failing most calls, some succeeding among them (a brownout:
+ * each probe that meets a success closes the lane, and the requests waiting start again
+ * together), charges none of them, nor a request retrying alone after such a close: the lane is
+ * not otherwise healthy, and a request charged once at each of its reopenings would fail early.
+ * In test mode every failure is charged: the simulator fails only as the request asks it to.
  *
  * What the lanes learn: a 429 pauses its lane (pauseMs; in live mode only: test mode's one lane
  * is every project's, and its retry waits on its own); a completion corrects the token
@@ -162,6 +168,12 @@ const finishStatement = statement(
       -- The requests still running these very attempts, and their lanes as they were before.
       select input.*, requests.mode, requests.charged_attempts, requests.lane_id,
              coalesce(lanes.health, 'healthy') as health, coalesce(lanes.failure_streak, 0) as failure_streak,
+             -- The lane's minute of calls begun by a failure, while it lasts (as lane_next counts it).
+             coalesce(lanes.window_failures > 0
+                      and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond', false) as window_open,
+             lanes.window_calls, lanes.window_failures,
+             -- Healthy for a minute at least: it has not closed after an outage within the minute.
+             coalesce(lanes.health_since <= now() - ${v.window_ms}::int * interval '1 millisecond', true) as settled,
              lanes.last_failed_request_id, lanes.probe_request_id,
              -- The provider's failures, in live mode: what a lane's health counts.
              (requests.mode = 'live' and input.fault = 'upstream') as lane_failure,
@@ -194,7 +206,11 @@ const finishStatement = statement(
                     when current.fault = 'rate_limited' then false
                     when current.lane_failure then
                       current.health = 'healthy'
-                      and (lane_calls.successes > 0 or (lane_calls.failures = 1 and current.failure_streak = 0))
+                      and case when current.window_open
+                               then (current.window_failures + lane_calls.failures) * 2
+                                    <= current.window_calls + lane_calls.successes + lane_calls.failures
+                               else lane_calls.successes >= lane_calls.failures
+                                    or (lane_calls.failures = 1 and current.failure_streak = 0 and current.settled) end
                     else true end as charged
         from current
         join lane_calls on lane_calls.lane_id is not distinct from current.lane_id
