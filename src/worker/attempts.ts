@@ -290,12 +290,16 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     const { id, attempt } = started;
     const { retryAfterMs, ...report } = failure;
     const { retryable, fault } = ATTEMPT_ERRORS[failure.code];
+    // Only a 429's retry-after is waited for. The provider's failures (a 503 asking for an hour,
+    // say) are for its lane's health to answer: a retry the lane's outage holds back goes as soon
+    // as a probe finds the provider back, and one waiting out a retry-after would not.
+    const waitMs = fault === 'rate_limited' ? retryAfterMs : undefined;
     // The backoff after the request's charged attempts, if this one is charged too; if not (a
     // 429, an outage), one that grows with every attempt.
-    const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, started.charged + 1, retryAfterMs);
-    const unchargedDelayMs = retryDelay(deps.config, attempt, retryAfterMs);
+    const delayMs = failure.code === 'worker_lost' ? 0 : retryDelay(deps.config, started.charged + 1, waitMs);
+    const unchargedDelayMs = retryDelay(deps.config, attempt, waitMs);
     // A 429 pauses the lane for its retry-after (an hour at most), or for the backoff when it sent none.
-    const pauseMs = fault === 'rate_limited' ? Math.min(retryAfterMs ?? unchargedDelayMs, MAX_RETRY_AFTER_MS) : undefined;
+    const pauseMs = fault === 'rate_limited' ? Math.min(waitMs ?? unchargedDelayMs, MAX_RETRY_AFTER_MS) : undefined;
     const finish: Finish = retryable
       ? { kind: 'retry', id, attempt, delayMs, unchargedDelayMs, pauseMs, fault, ...report }
       : { kind: 'failed', id, attempt, pauseMs, fault, ...report };
