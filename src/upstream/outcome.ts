@@ -6,9 +6,11 @@
 // - rate_limited: a 429 pauses the lane; never charged.
 // - worker: the worker running the attempt was lost; charged, so that a request that brings
 //   workers down still ends.
+// - shutdown: the worker was stopped (SIGTERM, SIGINT) with the call under way past its grace,
+//   also worker_lost; never charged: an operator's restart is not the request's doing.
 
 /** Whose fault a failed attempt is. */
-export type Fault = 'request' | 'upstream' | 'rate_limited' | 'worker';
+export type Fault = 'request' | 'upstream' | 'rate_limited' | 'worker' | 'shutdown';
 
 /**
  * The one code no call returns: the worker's deadline expiry writes it (worker/deadlines.ts), on

@@ -67,19 +67,19 @@ export interface FinishSettings {
  * comes back late changes nothing.
  *
  * Whose fault a failure is decides whether it is charged toward MAX_ATTEMPTS: the request's own
- * faults, yes; a 429, never; the provider's (fault 'upstream') only while the lane is otherwise
- * healthy: it is healthy, and most of its calls do not fail. Within a minute of the lane's calls
- * begun by a failure (its window), that is: at most half of the window's calls, with the group's,
- * failed; with no window open, at least as many calls of the group succeeded as failed, or the
- * lane's last call did (no failure since: failure_streak 0), no other call of the group failed,
- * and the lane has not closed after an outage within the minute. So a request that fails where
- * others succeed (poison) is charged each time and ends, while one that fails with nothing
- * succeeding between its attempts is charged once and then waits: the provider may be down with
- * nobody else calling it. A provider failing most calls, some succeeding among them (a brownout:
- * each probe that meets a success closes the lane, and the requests waiting start again
- * together), charges none of them, nor a request retrying alone after such a close: the lane is
- * not otherwise healthy, and a request charged once at each of its reopenings would fail early.
- * In test mode every failure is charged: the simulator fails only as the request asks it to.
+ * faults, yes; a 429, and a call cut short by its worker's shutdown, never; the provider's (fault
+ * 'upstream') only while the lane is otherwise healthy: it is healthy, and most of its calls do not
+ * fail. Within a minute of the lane's calls begun by a failure (its window), that is: at most half
+ * of the window's calls, with the group's, failed; with no window open, at least as many calls of
+ * the group succeeded as failed, or the lane's last call did (no failure since: failure_streak 0),
+ * no other call of the group failed, and the lane has not closed after an outage within the minute.
+ * So a request that fails where others succeed (poison) is charged each time and ends, while one
+ * that fails with nothing succeeding between its attempts is charged once and then waits: the
+ * provider may be down with nobody else calling it. A provider failing most calls, some succeeding
+ * among them (a brownout: each probe that meets a success closes the lane, and the requests waiting
+ * start again together), charges none of them, nor a request retrying alone after such a close: the
+ * lane is not otherwise healthy, and a request charged once at each of its reopenings would fail
+ * early. In test mode every failure is charged: the simulator fails only as the request asks it to.
  *
  * What the lanes learn: a 429 pauses its lane (pauseMs; in live mode only: test mode's one lane
  * is every project's, and its retry waits on its own); a completion corrects the token
@@ -201,6 +201,8 @@ const finishStatement = statement(
       from (
         select current.*,
                case when current.kind = 'completed' then null
+                    -- A call cut short by its worker's shutdown: the operator's restart, in either mode.
+                    when current.fault = 'shutdown' then false
                     -- The simulator is never down: test mode's failures are what the client asked for.
                     when current.mode = 'test' then true
                     when current.fault = 'rate_limited' then false

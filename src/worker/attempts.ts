@@ -6,7 +6,8 @@
 // provider's failures open it. The outcomes of attempts that end at about the same time are
 // written together (db/batcher.ts): one statement and one commit for all of them.
 // An attempt cut short by a shutdown after SHUTDOWN_GRACE_MS, or whose worker died (found by
-// the supervisor's sweep), is recorded as worker_lost and retried at once.
+// the supervisor's sweep), is recorded as worker_lost and retried at once; charged only when its
+// worker died (a request may bring its worker down), never for the shutdown.
 //
 // An outcome is recorded however long the database stays unavailable (retried with backoff):
 // giving up would leave the attempt running, to be recovered as worker_lost and called again,
@@ -38,7 +39,7 @@ import { SIMULATOR, type Upstream } from '../upstream/upstreams.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { UpstreamClient } from '../upstream/openai.ts';
-import { ATTEMPT_ERRORS, type AttemptErrorCode, type AttemptOutcome } from '../upstream/outcome.ts';
+import { ATTEMPT_ERRORS, type AttemptErrorCode, type AttemptOutcome, type Fault } from '../upstream/outcome.ts';
 import { simulate } from '../upstream/simulator.ts';
 import { LANE_HEALTH } from '../lanes/health.ts';
 import { findBody, finishAttempts, type Finish, type Finished, type LostAttempt } from './attempts-repository.ts';
@@ -196,7 +197,8 @@ export function createAttempts(deps: AttemptDeps): Attempts {
       log.debug({ requestId: started.id, attempt: started.attempt, durationMs }, 'call aborted: its request ended meanwhile');
       return undefined;
     }
-    if (!outcome.ok && signal.reason === ABORTED_BY_SHUTDOWN) {
+    const shutDown = !outcome.ok && signal.reason === ABORTED_BY_SHUTDOWN;
+    if (shutDown) {
       outcome = { ok: false, code: 'worker_lost', detail: 'the worker shut down before the upstream answered', upstreamStatus: null };
     }
     const result = outcome.ok ? 'succeeded' : 'failed';
@@ -232,7 +234,7 @@ export function createAttempts(deps: AttemptDeps): Attempts {
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
       } else {
         const { code, detail, upstreamStatus } = outcome;
-        return (await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs }))?.retryInMs;
+        return (await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs, shutDown }))?.retryInMs;
       }
     } catch (error) {
       // The attempt stays running in the database. Abandoned at shutdown, it is this worker's
@@ -284,12 +286,21 @@ export function createAttempts(deps: AttemptDeps): Attempts {
    */
   async function fail(
     started: Pick<StartedAttempt, 'id' | 'attempt' | 'charged'>,
-    failure: { code: AttemptErrorCode; detail: string; upstreamStatus: number | null; durationMs: number | null; retryAfterMs?: number | undefined },
+    failure: {
+      code: AttemptErrorCode;
+      detail: string;
+      upstreamStatus: number | null;
+      durationMs: number | null;
+      retryAfterMs?: number | undefined;
+      /** Cut short by this worker's shutdown past its grace: worker_lost, not charged. */
+      shutDown?: boolean;
+    },
     patienceMs?: number,
   ): Promise<Finished> {
     const { id, attempt } = started;
-    const { retryAfterMs, ...report } = failure;
-    const { retryable, fault } = ATTEMPT_ERRORS[failure.code];
+    const { retryAfterMs, shutDown, ...report } = failure;
+    const { retryable } = ATTEMPT_ERRORS[failure.code];
+    const fault: Fault = shutDown ? 'shutdown' : ATTEMPT_ERRORS[failure.code].fault;
     // Only a 429's retry-after is waited for. The provider's failures (a 503 asking for an hour,
     // say) are for its lane's health to answer: a retry the lane's outage holds back goes as soon
     // as a probe finds the provider back, and one waiting out a retry-after would not.
