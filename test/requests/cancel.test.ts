@@ -4,12 +4,14 @@
 // cancelled; a waiting wait=true client is answered at once; a finished request is a 409,
 // another's a 404.
 import t from 'tap';
+import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { plantRequest } from '../helpers/populate.ts';
 import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { spawnServe } from '../helpers/serve.ts';
 import { newNonce, signature } from '../helpers/signing.ts';
+import { startTcpProxy } from '../helpers/tcp-proxy.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
 import { addTestEndpoint, startReceiver } from '../webhooks/support.ts';
@@ -107,6 +109,28 @@ t.test('a processing request in another worker process: its call aborted within 
   await sleep(300);
   t.match(await requestRow(api.db, id), { status: 'cancelled', result: null }, 'and it stays cancelled');
   t.equal(upstream.calls.length, 1, 'no retry');
+});
+
+t.test('a processing request whose worker\'s LISTEN connection went silent: its call aborted all the same, within 15 s, not after its timeout', async (t) => {
+  const upstream = await startFakeUpstream(t, () => ({ hang: true }));
+  const databaseUrl = await createTestDatabase(t);
+  // The worker reaches Postgres through a proxy that can silence its LISTEN connection (as a NAT
+  // that forgets the flow does); the cancel comes through an API process connected directly.
+  const proxy = await startTcpProxy(t, databaseUrl);
+  const env = { UPSTREAM_BASE_URL: upstream.baseUrl, UPSTREAM_TIMEOUT_MS: '60000' };
+  const api = await startTestGateway(t, { role: 'api', databaseUrl, env });
+  const worker = await startTestGateway(t, { role: 'worker', databaseUrl: proxy.url, env });
+  const key = await api.createKey({ mode: 'live' });
+  const accepted = await clientFor(api.url, key).post({ model: 'gpt-x', messages: userMessage() });
+  await until(() => upstream.calls.length === 1, 'the call to reach the upstream', 10_000);
+
+  t.equal(proxy.blackHole('gateway-listen'), 1, 'the worker\'s LISTEN connection goes silent');
+  const cancelledAt = Date.now();
+  t.equal((await cancelOf(api.url, key)(accepted.body.id)).status, 200);
+  await until(() => upstream.calls[0]!.endedAt !== undefined, 'the call to be aborted', 15_000);
+  t.comment(`the upstream saw its connection closed ${upstream.calls[0]!.endedAt! - cancelledAt} ms after the cancel`);
+  await until(async () => (await attemptRows(api.db, accepted.body.id))[0]?.outcome === 'cancelled', 'the attempt recorded as cancelled');
+  t.ok(worker.logs.some((line) => line.includes('LISTEN connection found dead')), 'the worker found its connection dead');
 });
 
 t.test('completed and failed requests are a 409; another project\'s, another mode\'s and unknown ids a 404', async (t) => {
