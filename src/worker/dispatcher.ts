@@ -4,7 +4,9 @@
 // statement), and starts their upstream calls here. A call in flight holds a socket, a timer and
 // a few objects: no database connection and no graphile-worker slot, so a worker process keeps
 // thousands in flight, up to MAX_IN_FLIGHT live and TEST_MAX_IN_FLIGHT test calls, each mode in
-// capacity of its own.
+// capacity of its own. With more than one upstream, no one upstream holds more than
+// UPSTREAM_SHARE of the live capacity: an upstream that takes calls and never answers fills that
+// much until its timeouts, and the other upstreams' queues still find room (upstreamBound).
 //
 // What dispatches a queue:
 // - its dispatch_queue jobs (jobs.ts): added with accepted requests, with retries, when a lane
@@ -105,6 +107,17 @@ const ENDED_POLL_MS = 1_000;
 export const OWN_DISPATCH_FALLBACK_MS = 2_000;
 /** Routes of queues remembered at most (the least recently dispatched are read again when next needed). */
 export const QUEUE_ROUTES_REMEMBERED = 10_000;
+/** The share of a process's live capacity that one upstream may hold when the process has several. */
+export const UPSTREAM_SHARE = 0.9;
+
+/**
+ * The live calls that one upstream may hold in a process (in flight, and room reserved for
+ * claims): all of `capacity` with a single upstream, else UPSTREAM_SHARE of it (one call at
+ * least), which leaves room for the other upstreams however long one's calls take to end.
+ */
+export function upstreamBound(capacity: number, upstreams: number): number {
+  return upstreams <= 1 ? capacity : Math.max(1, Math.floor(capacity * UPSTREAM_SHARE));
+}
 
 /** A lane of a queue's deployments: where its calls go, and its limits. */
 interface Deployment extends DeploymentLane {
@@ -118,6 +131,8 @@ interface Route {
   deployments: readonly Deployment[];
   /** The deployments by lane id. */
   lanes: ReadonlyMap<string, Deployment>;
+  /** The names of the upstreams of its deployments, each once (none in test mode). */
+  upstreams: readonly string[];
 }
 
 interface QueueSlot {
@@ -143,6 +158,14 @@ export class Dispatcher {
   /** Queues whose last dispatch stopped for this process's capacity, by mode. */
   readonly #waitingForCapacity: Record<KeyMode, Set<QueueSlot>> = { live: new Set(), test: new Set() };
   readonly #inFlight: Record<KeyMode, number> = { live: 0, test: 0 };
+  /** Live calls one upstream may hold here (upstreamBound). */
+  readonly #upstreamBound: number;
+  /**
+   * Live calls in flight and room reserved for claims, by upstream name. A claim reserves its
+   * room on each upstream of its queue's deployments (it may start them all on any one), and
+   * keeps it for the calls it started, on theirs, until they end.
+   */
+  readonly #upstreamHeld = new Map<string, number>();
   /**
    * Room promised to claims under way, by mode: from before a claim until each call it started
    * is in flight. Dispatches of several queues run at once; without this, each would count the
@@ -178,6 +201,7 @@ export class Dispatcher {
     this.#options = options;
     this.#log = options.logger.child({ component: 'dispatcher' });
     this.#routes = new LRUCache({ max: options.routesRemembered ?? QUEUE_ROUTES_REMEMBERED });
+    this.#upstreamBound = upstreamBound(options.capacity.live, new Set(options.upstreams.map((upstream) => upstream.name)).size);
   }
 
   /** What this process keeps per queue: slots (dispatches under way or waiting) and routes remembered. */
@@ -243,7 +267,8 @@ export class Dispatcher {
    * and may start in the accept's own statement, with no claim after it (requests/insert-repository.ts
    * says when it does). Only where a claim would do nothing more than start it: the queue's route
    * is known here, its preferred deployment has no limits (each of which only a claim keeps), and
-   * this process has room. undefined otherwise: the request is accepted as queued, and dispatched.
+   * this process has room, on that deployment's upstream too. undefined otherwise: the request is
+   * accepted as queued, and dispatched.
    */
   reserveStart(queueId: string): StartReservation | undefined {
     if (this.#stopping) return undefined;
@@ -251,8 +276,10 @@ export class Dispatcher {
     const deployment = route?.deployments[0];
     if (!route || !deployment || !hasNoLimits(deployment.limits)) return undefined;
     const { mode } = route;
-    if (this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode] <= 0) return undefined;
+    const upstream = deployment.target.upstream?.name;
+    if (this.#room(mode, upstream === undefined ? [] : [upstream]) <= 0) return undefined;
     this.#reserved[mode]++;
+    this.#hold(upstream, 1);
     let held = true;
     return {
       laneId: deployment.laneId,
@@ -265,6 +292,7 @@ export class Dispatcher {
           // Stored as the worker stopped: no call starts now (none could be recorded after the
           // stop), and its attempt is recovered as worker_lost once this worker is gone.
           this.#log.warn({ requestId }, 'request accepted while the worker stopped: its attempt is left to the supervisor');
+          this.#hold(upstream, -1);
           return;
         }
         this.#fly(queueId, deployment, { id: requestId, attempt: 1, probe: false, charged: 0, laneId: deployment.laneId, body });
@@ -272,6 +300,7 @@ export class Dispatcher {
       release: () => {
         if (!held) return;
         held = false;
+        this.#hold(upstream, -1);
         this.#release(mode, 1);
       },
     };
@@ -369,7 +398,7 @@ export class Dispatcher {
     if (!route) return;
     const { mode } = route;
     for (;;) {
-      const room = this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode];
+      const room = this.#room(mode, route.upstreams);
       const waiting = this.#waitingForCapacity[mode];
       if (room <= 0) {
         if (!waiting.has(queue)) {
@@ -393,9 +422,15 @@ export class Dispatcher {
     const { mode } = route;
     let reserved = max;
     this.#reserved[mode] += reserved;
+    for (const upstream of route.upstreams) this.#hold(upstream, max);
+    // The calls started and not yet in flight, each holding room on its upstream.
+    let pending: StartedAttempt[] | undefined;
     try {
       const claim = await this.#db(() => claimQueue(this.#options.db, queue.id, max, this.workerId, route.deployments));
-      this.#release(mode, reserved - claim.started.length);
+      pending = claim.started;
+      for (const started of claim.started) this.#hold(route.lanes.get(started.laneId)!.target.upstream?.name, 1);
+      for (const upstream of route.upstreams) this.#hold(upstream, -max);
+      this.#release(mode, reserved - claim.started.length, route.upstreams.length > 1);
       reserved = claim.started.length;
       for (const [index, started] of claim.started.entries()) {
         // A claim can start hundreds of calls: their outcomes and the other queues get a turn.
@@ -408,8 +443,31 @@ export class Dispatcher {
       }
       return claim;
     } finally {
+      if (pending === undefined) {
+        for (const upstream of route.upstreams) this.#hold(upstream, -max);
+      } else {
+        for (const started of pending.slice(pending.length - reserved)) this.#hold(route.lanes.get(started.laneId)!.target.upstream?.name, -1);
+      }
       this.#release(mode, reserved);
     }
+  }
+
+  /**
+   * Room for calls of a queue of this mode whose deployments are on these upstreams: the
+   * process's, and on each upstream (a claim may start all its calls on any one of them).
+   */
+  #room(mode: KeyMode, upstreams: readonly string[]): number {
+    let room = this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode];
+    for (const upstream of upstreams) room = Math.min(room, this.#upstreamBound - (this.#upstreamHeld.get(upstream) ?? 0));
+    return room;
+  }
+
+  /** Counts `count` more calls (or room reserved) held on the upstream (none for the simulator). */
+  #hold(upstream: string | undefined, count: number): void {
+    if (upstream === undefined || count === 0) return;
+    const held = (this.#upstreamHeld.get(upstream) ?? 0) + count;
+    if (held === 0) this.#upstreamHeld.delete(upstream);
+    else this.#upstreamHeld.set(upstream, held);
   }
 
   /**
@@ -435,10 +493,13 @@ export class Dispatcher {
     this.#wakes.set(key, timer);
   }
 
-  /** Gives back room reserved and not used: the queues that were waiting for room are dispatched. */
-  #release(mode: KeyMode, room: number): void {
-    if (room <= 0) return;
-    this.#reserved[mode] -= room;
+  /**
+   * Gives back room reserved and not used: the queues that were waiting for room are dispatched,
+   * also when only room on upstreams was given back (`upstreamRoom`).
+   */
+  #release(mode: KeyMode, room: number, upstreamRoom = false): void {
+    if (room <= 0 && !upstreamRoom) return;
+    this.#reserved[mode] -= Math.max(0, room);
     if (this.#stopping) return;
     for (const waiting of this.#waitingForCapacity[mode]) this.poke(waiting.id);
   }
@@ -456,6 +517,7 @@ export class Dispatcher {
       calls.delete(call);
       if (calls.size === 0) this.#calls.delete(started.id);
       this.#inFlight[target.mode]--;
+      this.#hold(target.upstream?.name, -1);
       if (this.#stopping) {
         // The room it leaves on its lane is for another worker to take.
         if (limits.maxConcurrent !== undefined) this.#handOver(queueId);
@@ -492,7 +554,13 @@ export class Dispatcher {
           : { mode: 'live', upstream, model: renamedFor(upstream, queue.model), modelLabel: modelLabel(upstream, queue.model) };
       return { laneId: laneIds[index]!, target, limits: upstream?.limits ?? NO_LIMITS };
     });
-    return { mode: queue.mode, model: queue.model, deployments, lanes: new Map(deployments.map((deployment) => [deployment.laneId, deployment])) };
+    return {
+      mode: queue.mode,
+      model: queue.model,
+      deployments,
+      lanes: new Map(deployments.map((deployment) => [deployment.laneId, deployment])),
+      upstreams: [...new Set(upstreams.flatMap((upstream) => (upstream === undefined ? [] : [upstream.name])))],
+    };
   }
 
   #db<T>(statement: () => Promise<T>): Promise<T> {

@@ -1,11 +1,14 @@
 // A worker process's in-flight capacity: MAX_IN_FLIGHT live calls at most (the rest wait in
-// their lane, charged nothing), and test-mode calls in capacity of their own, so that test
-// traffic at full load leaves live latency as it was.
+// their lane, charged nothing), 90 % of them for one upstream when there are several, and
+// test-mode calls in capacity of their own, so that test traffic at full load leaves live
+// latency as it was.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { completionAfter, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
+import { upstreamBound } from '../../src/worker/dispatcher.ts';
+import { writeUpstreamsFile } from '../outages/support.ts';
 
 t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, charged nothing', async (t) => {
   const upstream = await startFakeUpstream(t, completionAfter(300));
@@ -38,6 +41,26 @@ t.test('MAX_IN_FLIGHT holds while many lanes are dispatched at once: their claim
     return rows[0].count === 80;
   }, 'all 80 completed', 30_000);
   t.equal(upstream.peakInFlight(), 5, `five calls at once, never more (${upstream.peakInFlight()} at the most)`);
+});
+
+t.test('with two upstreams, one holds at most 90 % of MAX_IN_FLIGHT; with one, all of it', async (t) => {
+  t.equal(upstreamBound(13_107, 1), 13_107, 'a single upstream: the whole capacity');
+  t.equal(upstreamBound(13_107, 2), 11_796, 'several: 90 % of it');
+  t.equal(upstreamBound(1, 3), 1, 'one call at least');
+
+  const busy = await startFakeUpstream(t, completionAfter(300));
+  const other = await startFakeUpstream(t, completionAfter(0));
+  const upstreamsFile = await writeUpstreamsFile(t, [
+    { name: 'busy', base_url: busy.baseUrl, models: ['gpt-busy'] },
+    { name: 'other', base_url: other.baseUrl, models: ['gpt-other'] },
+  ]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: upstreamsFile, MAX_IN_FLIGHT: '10', WAIT_TIMEOUT_MS: '30000' } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  const answers = await Promise.all(
+    Array.from({ length: 30 }, (_, i) => client.post({ model: 'gpt-busy', messages: userMessage(`n${i}`), wait: true })),
+  );
+  t.same(new Set(answers.map((answer) => answer.status)), new Set([200]), 'all 30 completed');
+  t.equal(busy.peakInFlight(), 9, 'nine calls at once on the busy upstream, never more');
 });
 
 t.test('test traffic at full load leaves live latency unchanged', async (t) => {
