@@ -69,6 +69,7 @@ const LEADING = [
   'test/keys/cache.test.ts',
   'test/lanes/health.test.ts',
   'test/outages/503-retry-after.test.ts',
+  'test/outages/hang-other-upstream.test.ts',
   'test/outages/worker-restarted.test.ts',
   'test/requests/insert-batcher.test.ts',
   'test/webhooks/deliverer.test.ts',
