@@ -31,10 +31,13 @@ export const CreateCompletion = v.strictObject({
     // Postgres text holds no NUL: refused here rather than failing as the row is stored.
     v.check((model) => !model.includes('\u0000'), 'expected no NUL character'),
   ),
+  // Their number is checked before the messages are: a body of MAX_BODY_BYTES holds millions of
+  // them, and looking at each would make an issue of each bad one (seconds and gigabytes).
   messages: v.pipe(
-    v.array(Message, 'expected an array of messages'),
+    v.custom<unknown[]>(Array.isArray, 'expected an array of messages'),
     v.minLength(1, 'expected 1 to 2048 messages'),
     v.maxLength(2048, 'expected 1 to 2048 messages'),
+    v.array(Message, 'expected an array of messages'),
   ),
   temperature: number(0, 2),
   top_p: number(0, 1),

@@ -154,3 +154,21 @@ t.test('what is stored and sent upstream is the body without wait, idempotency_k
   t.same(JSON.parse(rows[0].body), { max_tokens: 5, messages: valid.messages, model: 'test-model', temperature: 0.5 });
   t.equal(rows[0].model, 'test-model');
 });
+
+t.test('a body of millions of messages is refused for their number, at once, without each being looked at', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const client = clientFor(gateway.url, await gateway.createKey());
+  // 4 MiB (MAX_BODY_BYTES) of messages, each empty or not an object: looking at each made one
+  // issue per message, seconds of the event loop and gigabytes of memory for a single request.
+  for (const item of ['{}', '1']) {
+    const count = Math.floor((4 * 1024 * 1024 - 100) / (item.length + 1));
+    const body = `{"model":"m","messages":[${Array(count).fill(item).join(',')}]}`;
+    const started = performance.now();
+    const answer = await client.post(body);
+    const ms = performance.now() - started;
+    t.equal(answer.status, 400, `${count} messages ${item}: 400`);
+    t.same([answer.body.error.code, answer.body.error.param], ['invalid_parameter', 'messages'], 'refused for their number');
+    t.ok(ms < 2_000, `answered in ${Math.round(ms)} ms`);
+  }
+  t.equal(await countRows(gateway.db, 'requests'), 0);
+});
