@@ -13,6 +13,13 @@ const number = (min: number, max: number) =>
     ),
   );
 
+/** The code points of a string. */
+function characters(text: string): number {
+  let count = 0;
+  for (const _ of text) count++;
+  return count;
+}
+
 export const Message = v.strictObject({
   role: v.picklist(
     ['system', 'developer', 'user', 'assistant'],
@@ -26,8 +33,9 @@ export type Message = v.InferOutput<typeof Message>;
 export const CreateCompletion = v.strictObject({
   model: v.pipe(
     v.string('expected a string'),
-    v.minLength(1, 'expected 1 to 256 characters'),
-    v.maxLength(256, 'expected 1 to 256 characters'),
+    // Characters are code points: a string's length counts two for one outside the BMP. A string
+    // of more than 512 units has more than 256 of them, and is not walked through.
+    v.check((model) => model.length > 0 && model.length <= 512 && characters(model) <= 256, 'expected 1 to 256 characters'),
     // Postgres text holds no NUL: refused here rather than failing as the row is stored.
     v.check((model) => !model.includes('\u0000'), 'expected no NUL character'),
   ),

@@ -15,6 +15,7 @@ const refused: [name: string, body: unknown, code: string, param: string | null]
   ['model is not a string', { ...valid, model: 5 }, 'invalid_parameter', 'model'],
   ['model is empty', { ...valid, model: '' }, 'invalid_parameter', 'model'],
   ['model is longer than 256 characters', { ...valid, model: 'm'.repeat(257) }, 'invalid_parameter', 'model'],
+  ['model is longer than 256 characters outside the BMP', { ...valid, model: '\u{1F600}'.repeat(257) }, 'invalid_parameter', 'model'],
   ['model holds a NUL character', { ...valid, model: 'test-\u0000model' }, 'invalid_parameter', 'model'],
   ['messages is not an array', { ...valid, messages: 'hi' }, 'invalid_parameter', 'messages'],
   ['messages is empty', { ...valid, messages: [] }, 'invalid_parameter', 'messages'],
@@ -122,6 +123,8 @@ t.test('values at the edges of every range are accepted', async (t) => {
     { ...valid, temperature: 0, top_p: 0, presence_penalty: -2, frequency_penalty: -2, max_tokens: 1 },
     { ...valid, temperature: 2, top_p: 1, presence_penalty: 2, frequency_penalty: 2, max_tokens: 2 ** 53 - 1 },
     { ...valid, model: 'm'.repeat(256), stream: false, wait: false },
+    // Characters, not UTF-16 units: each of these takes two.
+    { ...valid, model: '\u{1F600}'.repeat(256) },
     { ...valid, idempotency_key: ` ~${'k'.repeat(253)}` },
     {
       ...valid,
