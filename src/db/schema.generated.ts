@@ -872,6 +872,10 @@ export interface WebhookMessages {
    */
   event_type: string;
   /**
+   * Tries that failed and spent a wait of WEBHOOK_RETRY_SCHEDULE (its place in the schedule): not those its worker lost (died, shut down, or lost track of), which are made again at once.
+   */
+  failures: Generated<number>;
+  /**
    * When it was delivered, given up (failed) or abandoned; null until then.
    */
   finished_at: Timestamp | null;

@@ -124,17 +124,17 @@ export function wakeDelay(deferrals: number): number {
 }
 
 /**
- * The wait before the try after try number `tries` failed: that entry of the schedule, ±10 %
- * jitter, never shorter than a retry-after the endpoint sent, at most 24 h; undefined once the
- * schedule is spent.
+ * The wait before the try that follows a message's failure number `failures` (its tries that
+ * failed, not counting those their worker lost): that entry of the schedule, ±10 % jitter, never
+ * shorter than a retry-after the endpoint sent, at most 24 h; undefined once the schedule is spent.
  */
 export function nextTryDelay(
   scheduleMs: readonly number[],
-  tries: number,
+  failures: number,
   retryAfterMs?: number,
   random: () => number = Math.random,
 ): number | undefined {
-  const wait = scheduleMs[tries - 1];
+  const wait = scheduleMs[failures - 1];
   if (wait === undefined) return undefined;
   return Math.round(Math.min(MAX_RETRY_WAIT_MS, Math.max(jitter(wait, 0.1, 0.1, random), retryAfterMs ?? 0)));
 }
@@ -566,10 +566,13 @@ export class WebhookDeliverer {
       timedOut: answer.kind === 'failed' ? answer.timedOut : false,
     };
     if (answer.kind === 'failed') {
-      // A try cut short by our own shutdown is not the endpoint's failure: it is made again at once.
+      // A try cut short by our own shutdown is not the endpoint's failure: it is made again at
+      // once, in its place in the schedule. (So are the tries a worker lost: handed back, they
+      // leave webhook_messages.failures as it was.)
+      end.spendsRetry = !answer.retryAtOnce;
       end.retryInMs = answer.retryAtOnce
         ? 0
-        : nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.tries, answer.retryAfterMs);
+        : nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.failures + 1, answer.retryAfterMs);
     }
     const context = { messageId: message.id, endpointId: message.endpoint_id, try: message.tries, httpStatus: answer.httpStatus, durationMs, probe };
     try {

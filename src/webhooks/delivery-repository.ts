@@ -20,6 +20,8 @@ export interface ClaimedMessage {
   created_at: Date;
   /** The number of this try (webhook_deliveries.try_number). */
   tries: number;
+  /** The tries before it that failed, each spending a wait of the retry schedule (not those their worker lost). */
+  failures: number;
   url: string;
   secret_ciphertext: Buffer;
   /** The secret before the last rotation, while it still signs; null otherwise. */
@@ -39,7 +41,7 @@ export type Claim =
   | { kind: 'nothing' };
 
 /** What a claim returns of each message, and of its request (the record of a lookup). */
-type ClaimedRow = Pick<Selectable<WebhookMessagesTable>, 'id' | 'status' | 'endpoint_id' | 'event_type' | 'created_at' | 'tries'> &
+type ClaimedRow = Pick<Selectable<WebhookMessagesTable>, 'id' | 'status' | 'endpoint_id' | 'event_type' | 'created_at' | 'tries' | 'failures'> &
   Pick<Selectable<WebhookEndpointsTable>, 'url' | 'secret_ciphertext' | 'previous_secret_ciphertext'> & {
     [Column in keyof RecordRow as `request_${Column}`]: RecordRow[Column];
   };
@@ -64,7 +66,7 @@ function claimTargets(workerId: RawBuilder<unknown>): RawBuilder<unknown> {
       where messages.id = target.id and endpoint.id = target.endpoint_id and endpoints.id = target.endpoint_id
         and (endpoint.disabled_at is not null or endpoint.backoff_ms is null or exists (select from probe))
       returning messages.id, messages.status, messages.endpoint_id, messages.request_id, messages.event_type,
-                messages.created_at, messages.tries, endpoints.url, endpoints.secret_ciphertext,
+                messages.created_at, messages.tries, messages.failures, endpoints.url, endpoints.secret_ciphertext,
                 case when endpoints.previous_secret_expires_at > now() then endpoints.previous_secret_ciphertext end
                   as previous_secret_ciphertext
     ), tried as (
@@ -105,6 +107,7 @@ function claimedMessage(row: ClaimedRow): ClaimedMessage {
     event_type: row.event_type,
     created_at: row.created_at,
     tries: row.tries,
+    failures: row.failures,
     url: row.url,
     secret_ciphertext: row.secret_ciphertext,
     previous_secret_ciphertext: row.previous_secret_ciphertext,
@@ -269,6 +272,8 @@ export interface TryEnd {
    */
   kind: 'delivered' | 'gone' | 'failed';
   retryInMs?: number | undefined;
+  /** A failure that spends a wait of the retry schedule (webhook_messages.failures): not a try our shutdown cut short. */
+  spendsRetry?: boolean;
   httpStatus: number | null;
   /** Why it failed, in our words; null when delivered. */
   error: string | null;
@@ -293,7 +298,7 @@ const nextBackoff = (v: Record<'backoff_min_ms' | 'backoff_max_ms', RawBuilder<u
 const finishTryStatement = statement(
   [
     'outcome', 'http_status', 'error', 'duration_ms', 'message_id', 'try_number', 'gone', 'timed_out', 'backoff_min_ms',
-    'backoff_max_ms', 'endpoint_id', 'retry_in_ms', 'kind', 'retrying',
+    'backoff_max_ms', 'endpoint_id', 'retry_in_ms', 'kind', 'retrying', 'spends_retry',
   ] as const,
   (v) => sql<{ status: WebhookMessageStatus | null }>`
     with try_row as (
@@ -324,6 +329,7 @@ const finishTryStatement = statement(
     ), message as (
       update gateway.webhook_messages as messages
       set status = next.status,
+          failures = messages.failures + case when ${v.spends_retry}::boolean then 1 else 0 end,
           next_try_at = case when next.status = 'pending'
                              then now() + ${v.retry_in_ms}::float8 * interval '1 millisecond' end,
           finished_at = case when next.status = 'pending' then null else now() end,
@@ -390,6 +396,7 @@ export async function finishTry(db: Db, end: TryEnd, backoff: EndpointBackoff): 
     retry_in_ms: end.retryInMs ?? 0,
     kind: end.kind,
     retrying: end.kind === 'failed' && end.retryInMs !== undefined,
+    spends_retry: end.kind === 'failed' && (end.spendsRetry ?? true),
   });
   return rows[0]?.status ?? undefined;
 }

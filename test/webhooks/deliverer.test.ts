@@ -689,6 +689,56 @@ t.test('at shutdown a try in flight gets the grace time, then is aborted and ret
   t.equal(ids.filter((id) => id === cutMessage!.id).length, 2, 'the cut try was made again, with the same webhook-id');
 });
 
+t.test('a try lost with its worker, or cut short by a shutdown, spends no retry: the endpoint still gets every try of the schedule', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const ids = { lost: '', cut: '' };
+  const receiver = await startReceiver(t, (delivery) =>
+    delivery.headers['webhook-id'] === ids.cut && receiver.deliveries.filter((d) => d.headers['webhook-id'] === ids.cut).length === 1
+      ? { hang: true }
+      : { status: 502 },
+  );
+  await addTestEndpoint(gateway, { url: receiver.url });
+  const webhooks = { retryScheduleMs: [100, 200] };
+  const lost = await endRequest(gateway, key, 'completed');
+  const cut = await endRequest(gateway, key, 'failed');
+  ids.lost = (await messagesOf(gateway.db, lost))[0]!.id;
+  ids.cut = (await messagesOf(gateway.db, cut))[0]!.id;
+  await gateway.pool.query(`delete from graphile_worker._private_jobs`);
+
+  // The first try of one is lost with its worker, handed back by the sweep; the other's is cut short by its worker's shutdown.
+  t.equal((await claimMessage(gateway.db, ids.lost, 'worker-dead', 3_000)).kind, 'claimed');
+  await gateway.pool.query(`update gateway.webhook_deliveries set started_at = now() - interval '1 minute' where message_id = $1`, [ids.lost]);
+  const first = testDeliverer(t, gateway, { webhooks, shutdownGraceMs: 100 });
+  t.equal(await first.deliverer.recoverLost(10_000, []), 1);
+  t.equal(await first.deliverer.deliver(ids.cut), 'started');
+  await until(() => receiver.deliveries.length === 1, 'the receiver holds the try');
+  await first.deliverer.stop();
+
+  const second = testDeliverer(t, gateway, { webhooks });
+  await until(
+    async () => {
+      await second.runDueJobs();
+      return (await messagesOf(gateway.db)).every((message) => message.status === 'failed');
+    },
+    'both given up',
+    10_000,
+  );
+  for (const [name, id] of Object.entries(ids)) {
+    const tries = await triesOf(gateway.db, id);
+    t.same(
+      tries.map((row) => [row.try_number, row.http_status, row.error]),
+      [
+        [1, null, name === 'lost' ? 'the worker stopped during the try' : 'the worker shut down during the try'],
+        [2, 502, 'HTTP 502'],
+        [3, 502, 'HTTP 502'],
+        [4, 502, 'HTTP 502'],
+      ],
+      `${name}: the try made again in its place, then one retry per entry of the schedule`,
+    );
+  }
+});
+
 t.test('gateway_webhook_oldest_pending_seconds is the age of the oldest message not finished', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const key = await gateway.createKey();
