@@ -3,10 +3,12 @@
 // behind METRICS_TOKEN, and never otherwise; the gauges read from the database cost one read
 // per few seconds however often they are scraped, and keep their last figures while it is out
 // of reach.
+import { setTimeout as sleep } from 'node:timers/promises';
 import t from 'tap';
 import { createDb, createPool } from '../src/db/pool.ts';
 import { createLogger } from '../src/logger.ts';
 import { Metrics } from '../src/metrics.ts';
+import { PATTERN_QUEUES_LOCK } from '../src/lanes/repository.ts';
 import { countUnfinishedByStatus } from '../src/requests/inspection.ts';
 import { oldestUnfinishedMessageAge } from '../src/webhooks/repository.ts';
 import { createTestDatabase } from './helpers/database.ts';
@@ -82,6 +84,32 @@ t.test('each metric family counts what happened', async (t) => {
   for (const secret of [testKey.api_key, testKey.signing_secret, liveKey.api_key, 'metrics-project', 'secret message content', testKey.id]) {
     t.notOk(text.includes(secret), `no "${secret.slice(0, 12)}..." in the metrics`);
   }
+});
+
+t.test('the accept write of a request that creates its queue is timed to its commit, its transaction\'s waits included', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { METRICS_PORT: '0' } });
+  const live = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+  // A model only the default upstream's pattern serves: its queue is created in the transaction
+  // that stores its first request, behind the lock that such creations take in turn, held here.
+  const locker = await gateway.pool.connect();
+  t.teardown(() => locker.release());
+  await locker.query('select pg_advisory_lock($1::bigint)', [PATTERN_QUEUES_LOCK]);
+  const posted = live.post({ model: 'gpt-new', messages: userMessage() });
+  await until(async () => {
+    const { rows } = await gateway.pool.query<{ count: string }>(
+      `select count(*) from pg_stat_activity
+       where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
+    );
+    return Number(rows[0]!.count) === 1;
+  }, 'the creation to wait on the lock');
+  await sleep(1_000);
+  await locker.query('select pg_advisory_unlock($1::bigint)', [PATTERN_QUEUES_LOCK]);
+  t.equal((await posted).status, 202);
+
+  const m = await scrape(gateway.metricsUrl);
+  t.equal(m.get('gateway_db_write_duration_seconds_count{write="accept"}'), 1, 'one accept write');
+  const seconds = m.get('gateway_db_write_duration_seconds_sum{write="accept"}')!;
+  t.ok(seconds >= 1, `its second behind the lock is in it (${seconds} s)`);
 });
 
 t.test('the queue and the waiters, as they are', async (t) => {

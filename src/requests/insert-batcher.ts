@@ -81,16 +81,25 @@ export class InsertBatcher {
 
   /**
    * Stores one request alone, in the caller's transaction `tx` (the one creating its queue:
-   * lanes/routing.ts), its dispatch as the groups' is. Its fallback job is not remembered: the
-   * transaction may yet roll back, and a later group adds the queue's again, keeping its time.
+   * lanes/routing.ts), its dispatch as the groups' is: told as a group of one, and timed by
+   * timedTransaction. Its fallback job is not remembered: the transaction may yet roll back, and
+   * a later group adds the queue's again, keeping its time.
    */
   async insertIn(tx: Db, request: NewRequest, nonce: Nonce | undefined): Promise<InsertResult> {
-    // Told as a group of one, and timed up to the statement's answer (the commit is the caller's).
     this.#options.onGroup?.(1);
-    const started = performance.now();
     const { results } = await insertRequests(tx, [{ request, nonce }], { delayMs: this.#options.dispatchDelayMs ?? 0 });
-    this.#options.onDone?.((performance.now() - started) / 1000);
     return results[0]!;
+  }
+
+  /**
+   * Runs `transaction`, the one that stores a request with insertIn, and times it as a group's
+   * write is timed (onDone): from its start, a pooled connection asked for, to its commit.
+   */
+  async timedTransaction<T>(transaction: () => Promise<T>): Promise<T> {
+    const started = performance.now();
+    const result = await transaction();
+    this.#options.onDone?.((performance.now() - started) / 1000);
+    return result;
   }
 
   #write(db: Db, items: Item[], delayMs: number): Promise<InsertResult[]> {

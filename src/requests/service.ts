@@ -213,12 +213,14 @@ async function insertRouted(
 }
 
 async function insertCreating(deps: RequestDeps, creation: QueueCreation, request: NewRequest, nonce: Nonce | undefined): Promise<RoutedInsert> {
-  const inserted = await creation.run(
-    (tx, queueId) => {
-      request.queue_id = queueId;
-      return deps.inserts.insertIn(tx, request, nonce);
-    },
-    (result) => result.kind === 'inserted',
+  const inserted = await deps.inserts.timedTransaction(() =>
+    creation.run(
+      (tx, queueId) => {
+        request.queue_id = queueId;
+        return deps.inserts.insertIn(tx, request, nonce);
+      },
+      (result) => result.kind === 'inserted',
+    ),
   );
   return inserted.kind === 'inserted' ? inserted : { ...inserted, rolledBack: true };
 }
