@@ -88,7 +88,8 @@ export interface FinishSettings {
  * minute of its lane's tokens_per_minute either way); the provider's failures open a lane (a
  * streak of them from different requests, or most of a minute's calls), a probe that fails keeps
  * it open for a longer interval, and a call that succeeds closes it. A lane whose health changes
- * gets a dispatch of its queue, now. Test mode's simulator lane never opens.
+ * gets a dispatch of its queue, now, and so does one given tokens back while its queue waits for
+ * time to give a lane room. Test mode's simulator lane never opens.
  */
 export async function finishAttempts(
   db: Db,
@@ -344,7 +345,8 @@ const finishStatement = statement(
           last_error_at = case when lane_next.error is not null then now() else lanes.last_error_at end
       from lane_next
       where lanes.id = lane_next.lane_id
-      returning lanes.id, lanes.queue_id, lanes.upstream, lanes.model, lane_next.old_health, lanes.health, lanes.last_error
+      returning lanes.id, lanes.queue_id, lanes.upstream, lanes.model, lane_next.old_health, lanes.health, lanes.last_error,
+                lane_next.unestimated_tokens
     ), due as (
       -- A queue's retries are dispatched in slots of RETRY_SLOT_MS, each when it ends, by one job
       -- keyed by the queue and the slot: a storm of retries (a 429 to each of hundreds of calls a
@@ -357,6 +359,14 @@ const finishStatement = statement(
       ) as retries
       union -- (not all: one row, and one job, per queue and slot)
       select queue_id, now(), null from lanes_taught where old_health <> health
+      union
+      -- Tokens given back to a lane (an attempt without a completion, or a usage below its
+      -- estimate) whose queue waits for time to give a lane room: its dispatch was set for when
+      -- the allowance would have refilled without them, and the requests waiting may fit now.
+      select lanes_taught.queue_id, now(), ${sql.lit(TOKENS_BACK_KEY_PREFIX)} || lanes_taught.queue_id
+      from lanes_taught
+      join gateway.queues on queues.id = lanes_taught.queue_id
+      where lanes_taught.unestimated_tokens < 0 and queues.wake_at > now()
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(
@@ -389,6 +399,8 @@ const finishStatement = statement(
 /** The slots of time in which a queue's retries share one dispatch, due when the slot ends. */
 export const RETRY_SLOT_MS = 250;
 const RETRY_KEY_PREFIX = 'dispatch_retry:';
+/** One dispatch pending per queue for tokens given back, however many attempts give them. */
+const TOKENS_BACK_KEY_PREFIX = 'dispatch_tokens_back:';
 
 type Completion = Extract<Finish, { kind: 'completed' }>;
 

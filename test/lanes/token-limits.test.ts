@@ -1,7 +1,7 @@
 // A lane's tokens_per_minute against large prompts: a prompt larger than a minute of every
 // deployment's tokens is refused at intake, and an attempt that ends without a completion (the
 // provider refused the prompt) gives its estimate back, so the lane does not stay shut for the
-// other requests.
+// other requests, whether accepted after it or waiting already.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
@@ -61,4 +61,40 @@ t.test('a prompt the provider refuses (no usage) gives its estimate back: the ne
   const small = await client.post({ model: 'gpt-limited', messages: prompt(10), wait: true });
   t.equal(small.status, 200, 'the next request completes');
   t.ok(Date.now() - started < 2_000, `at once (${Date.now() - started} ms), not after the lane paid back the refused prompt`);
+});
+
+t.test('requests waiting on a lane overdrawn by a prompt the provider then refuses start once it gives its estimate back, not when the overdraw would have been paid', async (t) => {
+  let refuse!: () => void;
+  const refused = new Promise<void>((resolve) => (refuse = resolve));
+  const upstream = await startFakeUpstream(t, async (call) => {
+    if (JSON.stringify(call.body).length <= 5_000) return { status: 200, json: completionFor(call.body) };
+    await refused;
+    return { status: 400, json: { error: { message: 'too long' } } };
+  });
+  // 3,000 tokens a minute: a 2,000-token prompt overdraws the lane by some 40 s worth.
+  const file = await upstreamsFile(t, [
+    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 3000 } },
+  ]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '60000' } });
+  const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
+
+  const large = await client.post({ model: 'gpt-limited', messages: prompt(2_000) });
+  t.equal(large.status, 202);
+  while (upstream.calls.length === 0) await new Promise((resolve) => setTimeout(resolve, 20));
+  const small = await client.post({ model: 'gpt-limited', messages: prompt(10) });
+  t.equal(small.status, 202);
+  // The small request's claim found the lane overdrawn: its queue is dispatched when the lane has paid it back.
+  const wakeAt = async () => (await gateway.pool.query(`select wake_at from gateway.queues`)).rows[0].wake_at as Date | null;
+  while ((await wakeAt()) === null) await new Promise((resolve) => setTimeout(resolve, 20));
+  const paidBackAt = (await wakeAt())!;
+  // Its process's fallback dispatch (due 2 s after it was accepted) has run too, and found no room either.
+  const fallbacks = async () =>
+    (await gateway.pool.query(`select count(*)::int as count from graphile_worker.jobs where key like 'dispatch_fallback:%'`)).rows[0].count as number;
+  while ((await fallbacks()) > 0) await new Promise((resolve) => setTimeout(resolve, 20));
+
+  refuse();
+  t.match(await waitForRow(gateway.db, large.body.id, isTerminal), { status: 'failed', last_error_code: 'upstream_bad_request' });
+  const done = await waitForRow(gateway.db, small.body.id, isTerminal, 60_000);
+  t.equal(done.status, 'completed');
+  t.ok(done.finished_at! < paidBackAt, `the small request completed (${done.finished_at!.toISOString()}) before the overdraw would have been paid back (${paidBackAt.toISOString()})`);
 });
