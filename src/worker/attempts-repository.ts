@@ -3,7 +3,7 @@
 // tokens, health); finding those whose worker died (the supervisor's sweep); and what the
 // dispatcher and the runner ask of a request: has it ended, in which queue does it wait, and
 // what is its body, when its claim left a large one out.
-import { sql, type Selectable } from 'kysely';
+import { sql, type RawBuilder, type Selectable } from 'kysely';
 import type { RequestAttemptsTable, RequestsTable } from '../db/database.ts';
 import type { Db } from '../db/pool.ts';
 import { columnArrays, statement, unnestRows, type InputColumn } from '../db/statement.ts';
@@ -157,6 +157,13 @@ const FINISH_COLUMNS = [
   ['pause_ms', 'float8', (f: Finish) => failure(f)?.pauseMs ?? null],
 ] as const satisfies readonly InputColumn<Finish>[];
 
+/**
+ * Whether the row `lanes` of gateway.lanes has its window open: a minute of its calls, begun by a
+ * failure, that is not over (what opens a lane by most of a minute's calls failing counts).
+ */
+const windowOpen = (windowMs: RawBuilder<unknown>) =>
+  sql<boolean>`(lanes.window_failures > 0 and lanes.window_started_at > now() - ${windowMs}::int * interval '1 millisecond')`;
+
 const finishStatement = statement(
   [
     ...FINISH_COLUMNS.map(([name]) => name),
@@ -170,8 +177,7 @@ const finishStatement = statement(
       select input.*, requests.mode, requests.charged_attempts, requests.lane_id,
              coalesce(lanes.health, 'healthy') as health, coalesce(lanes.failure_streak, 0) as failure_streak,
              -- The lane's minute of calls begun by a failure, while it lasts (as lane_next counts it).
-             coalesce(lanes.window_failures > 0
-                      and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond', false) as window_open,
+             coalesce(${windowOpen(v.window_ms)}, false) as window_open,
              lanes.window_calls, lanes.window_failures,
              -- Healthy for a minute at least: it has not closed after an outage within the minute.
              coalesce(lanes.health_since <= now() - ${v.window_ms}::int * interval '1 millisecond', true) as settled,
@@ -273,7 +279,7 @@ const finishStatement = statement(
       where lessons.failures > 0 or lessons.pause_ms is not null or lessons.unestimated_tokens <> 0 or lessons.probe_ended
          or (lessons.successes > 0
              and (lanes.health <> 'healthy' or lanes.failure_streak > 0
-                  or (lanes.window_failures > 0 and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond')))
+                  or ${windowOpen(v.window_ms)}))
       order by lanes.id
       for update of lanes
     ), lane_next as (
@@ -282,8 +288,7 @@ const finishStatement = statement(
       join lane_rows as lanes on lanes.id = lessons.lane_id
       -- A window counts a minute of calls, begun by a failure.
       cross join lateral (
-        select lanes.window_failures > 0
-               and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond' as window_open
+        select ${windowOpen(v.window_ms)} as window_open
       ) as open_window
       cross join lateral (
         select case when open_window.window_open then lanes.window_started_at
@@ -442,8 +447,7 @@ const completionsStatement = statement(
         select from gateway.lanes
         where lanes.id in (select lane_id from input)
           and (lanes.health <> 'healthy' or lanes.failure_streak > 0 or lanes.tokens_per_minute is not null
-               or (lanes.window_failures > 0
-                   and lanes.window_started_at > now() - ${v.window_ms}::int * interval '1 millisecond'))
+               or ${windowOpen(v.window_ms)})
       ) as plain
     ), attempt_rows as (
       update gateway.request_attempts

@@ -299,8 +299,8 @@ export function createAttempts(deps: AttemptDeps): Attempts {
   ): Promise<Finished> {
     const { id, attempt } = started;
     const { retryAfterMs, shutDown, ...report } = failure;
-    const { retryable } = ATTEMPT_ERRORS[failure.code];
-    const fault: Fault = shutDown ? 'shutdown' : ATTEMPT_ERRORS[failure.code].fault;
+    const { retryable, fault: codeFault } = ATTEMPT_ERRORS[failure.code];
+    const fault: Fault = shutDown ? 'shutdown' : codeFault;
     // Only a 429's retry-after is waited for. The provider's failures (a 503 asking for an hour,
     // say) are for its lane's health to answer: a retry the lane's outage holds back goes as soon
     // as a probe finds the provider back, and one waiting out a retry-after would not.
