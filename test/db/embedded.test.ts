@@ -6,7 +6,7 @@ import { chmod, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import pg from 'pg';
-import t from 'tap';
+import t, { type Test } from 'tap';
 import { startEmbeddedPostgres } from '../../src/db/embedded.ts';
 import { createLogger } from '../../src/logger.ts';
 import { childEnv, childExecArgv } from '../helpers/node-child.ts';
@@ -28,13 +28,18 @@ async function answers(url: string): Promise<boolean> {
   }
 }
 
-t.test('a postmaster.pid left by a Postgres that was killed, naming a process that is alive but no Postgres: a start starts its own', async (t) => {
-  const dataDir = await mkdtemp(path.join(tmpdir(), 'gateway-embedded-stale-'));
+/** Options of an embedded Postgres in a directory of its own, removed at the test's end. */
+async function clusterOptions(t: Test, name: string) {
+  const dataDir = await mkdtemp(path.join(tmpdir(), `gateway-embedded-${name}-`));
   // Run as root, the embedded Postgres runs as a "postgres" user, which must reach its directory.
   await chmod(dataDir, 0o755);
   t.teardown(() => rm(dataDir, { recursive: true, force: true }));
-  const directory = path.join(dataDir, 'postgres');
-  const options = { directory, port: await freePort(), logger, durable: false };
+  return { directory: path.join(dataDir, 'postgres'), port: await freePort(), logger, durable: false };
+}
+
+t.test('a postmaster.pid left by a Postgres that was killed, naming a process that is alive but no Postgres: a start starts its own', async (t) => {
+  const options = await clusterOptions(t, 'stale');
+  const { directory } = options;
   const first = await startEmbeddedPostgres(options);
   const lockFile = path.join(directory, 'postmaster.pid');
   const lock = await readFile(lockFile, 'utf8');
@@ -50,11 +55,8 @@ t.test('a postmaster.pid left by a Postgres that was killed, naming a process th
 });
 
 t.test('a Postgres left running by a process that was killed: the next start takes it over, and stops it as one it started', async (t) => {
-  const dataDir = await mkdtemp(path.join(tmpdir(), 'gateway-embedded-orphan-'));
-  await chmod(dataDir, 0o755);
-  t.teardown(() => rm(dataDir, { recursive: true, force: true }));
-  const directory = path.join(dataDir, 'postgres');
-  const options = { directory, port: await freePort(), logger, durable: false };
+  const options = await clusterOptions(t, 'orphan');
+  const { directory } = options;
   // Whatever is left running at the end is stopped (its postmaster.pid names it).
   t.teardown(async () => {
     const pid = Number((await readFile(path.join(directory, 'postmaster.pid'), 'utf8').catch(() => '')).split('\n')[0]);
