@@ -8,6 +8,7 @@ import { clientFor } from '../helpers/http.ts';
 import { countRows, isTerminal, waitForRow } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
+import { until } from '../helpers/wait.ts';
 
 /** A prompt of about `tokens` tokens. */
 const prompt = (tokens: number) => [{ role: 'user', content: 'word '.repeat(tokens) }];
@@ -80,17 +81,17 @@ t.test('requests waiting on a lane overdrawn by a prompt the provider then refus
 
   const large = await client.post({ model: 'gpt-limited', messages: prompt(2_000) });
   t.equal(large.status, 202);
-  while (upstream.calls.length === 0) await new Promise((resolve) => setTimeout(resolve, 20));
+  await until(() => upstream.calls.length > 0, 'the large prompt to reach the provider', 10_000);
   const small = await client.post({ model: 'gpt-limited', messages: prompt(10) });
   t.equal(small.status, 202);
   // The small request's claim found the lane overdrawn: its queue is dispatched when the lane has paid it back.
   const wakeAt = async () => (await gateway.pool.query(`select wake_at from gateway.queues`)).rows[0].wake_at as Date | null;
-  while ((await wakeAt()) === null) await new Promise((resolve) => setTimeout(resolve, 20));
+  await until(async () => (await wakeAt()) !== null, 'the small request\'s claim to find the lane overdrawn', 10_000);
   const paidBackAt = (await wakeAt())!;
   // Its process's fallback dispatch (due 2 s after it was accepted) has run too, and found no room either.
   const fallbacks = async () =>
     (await gateway.pool.query(`select count(*)::int as count from graphile_worker.jobs where key like 'dispatch_fallback:%'`)).rows[0].count as number;
-  while ((await fallbacks()) > 0) await new Promise((resolve) => setTimeout(resolve, 20));
+  await until(async () => (await fallbacks()) === 0, 'the fallback dispatch to have run', 10_000);
 
   refuse();
   t.match(await waitForRow(gateway.db, large.body.id, isTerminal), { status: 'failed', last_error_code: 'upstream_bad_request' });

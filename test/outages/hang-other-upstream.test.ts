@@ -9,6 +9,7 @@ import t from 'tap';
 import { tally } from '../faults/support/client.ts';
 import { queueSummary, waitUntilTerminal } from '../faults/support/rows.ts';
 import { startFakeUpstream } from '../helpers/upstream.ts';
+import { waitFor } from '../helpers/wait.ts';
 import { outageReply, post, requestsWithAttempts, seconds, startOutageGateway } from './support.ts';
 
 const MAX_IN_FLIGHT = 20;
@@ -48,13 +49,12 @@ t.test('upstream x hangs with a backlog above MAX_IN_FLIGHT: y\'s requests all c
 
   // Until the first of x's attempts has ended (its timeout), to compare with.
   const xIds = xAccepted.map((answer) => answer.body?.id as string);
-  const until = Date.now() + UPSTREAM_TIMEOUT_MS + 20_000;
   let xRequests = await requestsWithAttempts(gateway.pool, xIds);
   const xEnded = () => xRequests.flatMap((request) => request.attempt_rows.filter((attempt) => attempt.finished_at !== null));
-  while (xEnded().length === 0 && Date.now() < until) {
-    await sleep(500);
+  await waitFor(async () => {
     xRequests = await requestsWithAttempts(gateway.pool, xIds);
-  }
+    return xEnded().length > 0;
+  }, UPSTREAM_TIMEOUT_MS + 20_000, 500);
   const firstXEnd = Math.min(...xEnded().map((attempt) => attempt.finished_at!.getTime()));
   t.same(
     tally(xEnded().filter((attempt) => attempt.finished_at!.getTime() === firstXEnd).map((attempt) => String(attempt.error_code))),
