@@ -240,7 +240,7 @@ t.test('a request answered before its body is read (refused at once) has its con
   }
 });
 
-t.test('a keep-alive connection refused many times before its bodies are read collects no listeners: the rest of each body is read off, and the connection served on', async (t) => {
+t.test('a keep-alive connection refused 30 times before its bodies are read gathers no listener per refusal (no emitter warns of a leak): the rest of each body is read off, and the connection served on', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
   const url = new URL(gateway.url);
   const warnings: string[] = [];
@@ -274,7 +274,7 @@ t.test('a keep-alive connection refused many times before its bodies are read co
   if (!closed) socket.write('GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n');
   while (!received.includes('{"status":"ok"}') && !closed) await new Promise<void>((resolve) => (arrived = resolve));
   t.same(answers(), [...Array(rounds).fill('HTTP/1.1 401 '), 'HTTP/1.1 200 '], 'every refusal answered, and the connection then served');
-  t.same(warnings.filter((warning) => warning.startsWith('MaxListenersExceededWarning')), [], 'no emitter collected listeners');
+  t.same(warnings.filter((warning) => warning.startsWith('MaxListenersExceededWarning')), [], 'no emitter warned of more than 10 listeners');
 });
 
 t.test('a connection answered outside the app (not HTTP, CONNECT) is closed even if its client keeps its side open', async (t) => {
