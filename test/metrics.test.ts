@@ -15,7 +15,7 @@ import { createTestDatabase } from './helpers/database.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage } from './helpers/http.ts';
 import { parseMetrics } from './helpers/metrics.ts';
-import { isTerminal, waitForRow } from './helpers/rows.ts';
+import { apiWaitingOnLock, isTerminal, waitForRow } from './helpers/rows.ts';
 import { startTcpProxy } from './helpers/tcp-proxy.ts';
 import { completionFor, startFakeUpstream } from './helpers/upstream.ts';
 import { until } from './helpers/wait.ts';
@@ -95,13 +95,7 @@ t.test('the accept write of a request that creates its queue is timed to its com
   t.teardown(() => locker.release());
   await locker.query('select pg_advisory_lock($1::bigint)', [PATTERN_QUEUES_LOCK]);
   const posted = live.post({ model: 'gpt-new', messages: userMessage() });
-  await until(async () => {
-    const { rows } = await gateway.pool.query<{ count: string }>(
-      `select count(*) from pg_stat_activity
-       where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
-    );
-    return Number(rows[0]!.count) === 1;
-  }, 'the creation to wait on the lock');
+  await until(async () => (await apiWaitingOnLock(gateway.pool)) === 1, 'the creation to wait on the lock');
   await sleep(1_000);
   await locker.query('select pg_advisory_unlock($1::bigint)', [PATTERN_QUEUES_LOCK]);
   t.equal((await posted).status, 202);

@@ -1,5 +1,6 @@
 // Reading requests and attempts straight from the database, and waiting for a state.
 import { sql } from 'kysely';
+import type pg from 'pg';
 import type { Db } from '../../src/db/pool.ts';
 import { claimQueue, ensureLanes, findQueue, type QueueClaim } from '../../src/lanes/repository.ts';
 import { DEFAULT_UPSTREAM, NO_LIMITS, SIMULATOR } from '../../src/upstream/upstreams.ts';
@@ -70,3 +71,12 @@ export async function waitForRow(
 }
 
 export const isTerminal = (row: { status: string }) => row.status === 'completed' || row.status === 'failed' || row.status === 'cancelled';
+
+/** How many of the API's connections to the test's database wait on a lock now (pg_stat_activity). */
+export async function apiWaitingOnLock(pool: pg.Pool): Promise<number> {
+  const { rows } = await pool.query<{ count: string }>(
+    `select count(*) from pg_stat_activity
+     where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
+  );
+  return Number(rows[0]!.count);
+}

@@ -13,6 +13,7 @@ import { createLogger } from '../../src/logger.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage, type Answer } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
+import { apiWaitingOnLock } from '../helpers/rows.ts';
 import { until, waitFor } from '../helpers/wait.ts';
 
 t.test('a flood of 400 unknown keys holds 2 connections, 256 more keys wait, the rest are refused 503; a cached key is served meanwhile', async (t) => {
@@ -27,13 +28,7 @@ t.test('a flood of 400 unknown keys holds 2 connections, 256 more keys wait, the
   t.teardown(() => locker.release());
   await locker.query('begin');
   await locker.query('lock table gateway.api_keys in access exclusive mode');
-  const readsWaitingOnTheLock = async () => {
-    const { rows } = await gateway.pool.query<{ count: string }>(
-      `select count(*) from pg_stat_activity
-       where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
-    );
-    return Number(rows[0]!.count);
-  };
+  const readsWaitingOnTheLock = () => apiWaitingOnLock(gateway.pool);
 
   const answers: Answer[] = [];
   const flood = Array.from({ length: 400 }, () =>

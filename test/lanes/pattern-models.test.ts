@@ -10,7 +10,7 @@ import { createLogger } from '../../src/logger.ts';
 import { pruneQueues } from '../../src/worker/prune.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
-import { countRows } from '../helpers/rows.ts';
+import { apiWaitingOnLock, countRows } from '../helpers/rows.ts';
 import { startFakeUpstream } from '../helpers/upstream.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { until } from '../helpers/wait.ts';
@@ -150,13 +150,7 @@ t.test('a flood of new pattern-served models holds one of the API pool\'s connec
   const locker = await gateway.pool.connect();
   t.teardown(() => locker.release());
   await locker.query('select pg_advisory_lock($1::bigint)', [PATTERN_QUEUES_LOCK]);
-  const waitingOnTheLock = async () => {
-    const { rows } = await gateway.pool.query<{ count: string }>(
-      `select count(*) from pg_stat_activity
-       where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
-    );
-    return Number(rows[0]!.count);
-  };
+  const waitingOnTheLock = () => apiWaitingOnLock(gateway.pool);
 
   const answers: number[] = [];
   const flood = Array.from({ length: 100 }, (_, i) =>

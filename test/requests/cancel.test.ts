@@ -8,7 +8,7 @@ import { createTestDatabase } from '../helpers/database.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { plantRequest } from '../helpers/populate.ts';
-import { attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
+import { apiWaitingOnLock, attemptRows, isTerminal, requestRow, waitForRow } from '../helpers/rows.ts';
 import { spawnServe } from '../helpers/serve.ts';
 import { newNonce, signature } from '../helpers/signing.ts';
 import { startTcpProxy } from '../helpers/tcp-proxy.ts';
@@ -228,13 +228,7 @@ t.test('a cancel that waits for the claim starting its request records the attem
   await claim.query('begin');
   await claim.query(`update gateway.requests set status = 'processing', attempts = 1, next_attempt_at = null where id = $1`, [id]);
   const cancelling = cancelOf(api.url, key)(id);
-  await until(async () => {
-    const { rows } = await api.pool.query<{ count: string }>(
-      `select count(*) from pg_stat_activity
-       where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
-    );
-    return Number(rows[0]!.count) === 1;
-  }, 'the cancel to wait for the request\'s row');
+  await until(async () => (await apiWaitingOnLock(api.pool)) === 1, 'the cancel to wait for the request\'s row');
   await claim.query(`insert into gateway.request_attempts (request_id, attempt_number, worker_id, started_at) values ($1, 1, 'a-worker', clock_timestamp())`, [id]);
   await claim.query('commit');
 
