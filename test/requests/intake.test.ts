@@ -281,6 +281,64 @@ t.test('two API processes sharing a key at 4x its rate admit, together, what RAT
   t.equal(Number(rows[0].admitted), admitted, 'the counters add up to what was admitted');
 });
 
+/** Two API processes (each with its own pool) with the same limits, not started: every sync is explicit. */
+function twoProcesses(t: Test, url: string, db: Db, config: IntakeConfig): [IntakeLimits, IntakeLimits] {
+  const processes: [IntakeLimits, IntakeLimits] = [new IntakeLimits(db, config), new IntakeLimits(connect(t, url).db, config)];
+  t.teardown(() => Promise.all(processes.map((limits) => limits.stop())));
+  return processes;
+}
+
+/** Admits submissions of `auth` until `limits` refuses one; returns the ids admitted and the refusal. */
+function admitUntilRefused(limits: IntakeLimits, auth: Auth): { ids: string[]; refusal: ApiError } {
+  const ids: string[] = [];
+  for (;;) {
+    const id = newRequestId();
+    const refusal = refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, id));
+    if (refusal) return { ids, refusal };
+    ids.push(id);
+  }
+}
+
+t.test('a burst that reaches two processes before either syncs is admitted by each, once; the rate takes it back', async (t) => {
+  const { url, pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'bursty', 'live');
+  const [first, second] = twoProcesses(t, url, db, limitsOf({ rateLimitRps: 1 }));
+
+  t.same(
+    [admitUntilRefused(first, auth).ids.length, admitUntilRefused(second, auth).ids.length],
+    [2, 2],
+    'each process admits the burst (two seconds\' worth) on its own, not more: 4 together',
+  );
+  await first.sync(); // reports its 2; has heard of nothing
+  await second.sync(); // reports its 2; the first's are its starting point
+  await first.sync(); // takes the second's 2 from its bucket: 2 - 2 - 2
+  const refusal = refusalOf(() => first.admitSubmission(auth, SMALL_BODY, newRequestId()));
+  t.ok(isRateLimitRefusal(refusal));
+  t.ok(refusal!.retryAfter! >= 2, `the first owes the second's burst: retry after ${refusal?.retryAfter} s, not 1`);
+});
+
+t.test('a project\'s first submissions reaching two processes at once are admitted up to the unfinished limit by each', async (t) => {
+  const { url, pool, db } = await setup(t);
+  const auth = await plantKey(pool, 'eager', 'test');
+  const [first, second] = twoProcesses(t, url, db, limitsOf({ maxUnfinishedPerProject: 3 }));
+  // Each counts the project (nothing unfinished) before its first admission.
+  await Promise.all([first.checkSubmission(auth, SMALL_BODY), second.checkSubmission(auth, SMALL_BODY)]);
+
+  const admitted = [admitUntilRefused(first, auth), admitUntilRefused(second, auth)];
+  t.same(admitted.map(({ ids }) => ids.length), [3, 3], 'each admits 3 on its own: 6 together');
+  t.ok(admitted.every(({ refusal }) => isRateLimitRefusal(refusal) && /MAX_UNFINISHED_PER_PROJECT/.test(refusal.message)));
+  const ids = await plantRequests(pool, auth, admitted.flatMap((batch) => batch.ids));
+  await Promise.all([first.sync(), second.sync()]);
+  await finish(pool, ids.slice(0, 3));
+  await Promise.all([first.sync(), second.sync()]);
+  for (const limits of [first, second]) {
+    t.ok(isRateLimitRefusal(refusalOf(() => limits.admitSubmission(auth, SMALL_BODY, newRequestId()))), 'with 3 of the 6 finished, still at the limit');
+  }
+  await finish(pool, ids.slice(3, 4));
+  await Promise.all([first.sync(), second.sync()]);
+  t.notOk(refusalOf(() => first.admitSubmission(auth, SMALL_BODY, newRequestId())), 'with 2 unfinished, admitted again');
+});
+
 t.test('MAX_UNFINISHED_PER_PROJECT refuses a project and mode at its limit until requests finish', async (t) => {
   const { pool, db } = await setup(t);
   const key = await plantKey(pool, 'backlogged', 'test');
