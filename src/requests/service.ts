@@ -4,7 +4,7 @@ import type { Config } from '../config.ts';
 import { TERMINAL_STATUSES, type RequestStatus } from '../db/database.ts';
 import { isDatabaseUnavailable, type Db } from '../db/pool.ts';
 import { abortAfter } from '../grace.ts';
-import { idempotencyKeyReused, requestAlreadyFinished, requestNotFound } from '../errors.ts';
+import { ApiError, idempotencyKeyReused, requestAlreadyFinished, requestNotFound } from '../errors.ts';
 import { newRequestId, REQUEST_ID } from '../ids.ts';
 import { deleteNonce, insertNonce, type Nonce } from '../keys/repository.ts';
 import type { Batcher } from '../db/batcher.ts';
@@ -88,14 +88,20 @@ export async function submit(
   let watch: Watch | undefined;
   let start: StartReservation | undefined;
   let routed: Routed | undefined;
+  const nonce = nonceOf(auth, options.signature);
   try {
-    routed = await deps.queues.route(auth.mode, submission);
+    let replay: Stored | undefined;
+    try {
+      routed = await deps.queues.route(auth.mode, submission);
+    } catch (error) {
+      replay = await replayOfRefused(deps, auth, submission, nonce, error);
+    }
     // Watching before the row exists means its completion cannot slip past us.
     watch = submission.wait ? deps.waiters.watch(id) : undefined;
     // Someone waits for the answer: the accept may start the call, saving the claim's round trip
     // (not in a queue created with it: no lane of it is known yet).
-    start = submission.wait && routed.queueId !== undefined ? deps.reserveStart?.(routed.queueId) : undefined;
-    const stored = await store(deps, auth, submission, id, routed, nonceOf(auth, options.signature), start);
+    start = submission.wait && routed?.queueId !== undefined ? deps.reserveStart?.(routed.queueId) : undefined;
+    const stored = routed ? await store(deps, auth, submission, id, routed, nonce, start) : replay!;
     storedAsOwn = !stored.replayed;
     let answer: Answer = stored.answer;
     const deadline = Date.now() + deps.config.waitTimeoutMs;
@@ -124,6 +130,34 @@ export async function submit(
   }
 }
 
+/** A request stored in its queue, or one found by its idempotency key (replayed). */
+type Stored = { answer: RequestAnswer; replayed: false; queueId: string } | { answer: RequestAnswer; replayed: true };
+
+/**
+ * The request that a submission refused by routing replays, or the refusal thrown again. The
+ * upstreams may have changed since a request was accepted: its model no longer served, or its
+ * prompt or test-delay beyond what is allowed now. A retry of it (the same idempotency key and
+ * body) is still answered with it, as the contract has every replay answered. Only a refused
+ * submission that carries a key pays this lookup; one that replays nothing is refused as it was,
+ * storing nothing, not even its nonce.
+ */
+async function replayOfRefused(
+  deps: RequestDeps,
+  auth: Auth,
+  submission: Submission,
+  nonce: Nonce | undefined,
+  refusal: unknown,
+): Promise<Stored> {
+  if (submission.idempotencyKey === undefined || !(refusal instanceof ApiError) || refusal.status !== 400) throw refusal;
+  const scope = { project_id: auth.projectId, mode: auth.mode };
+  const existing = await findAnswerByIdempotencyKey(deps.db, scope, submission.idempotencyKey);
+  // The same key with another body is refused for its model, which is checked first (docs/api.md).
+  if (!existing || !existing.body_sha256.equals(submission.bodySha256)) throw refusal;
+  // A replay uses its nonce up, as a new request does.
+  if (nonce && !(await insertNonce(deps.db, nonce))) throw replayedRequest();
+  return { answer: existing, replayed: true };
+}
+
 async function store(
   deps: RequestDeps,
   auth: Auth,
@@ -132,7 +166,7 @@ async function store(
   routed: Routed,
   nonce: Nonce | undefined,
   start: StartReservation | undefined,
-): Promise<{ answer: RequestAnswer; replayed: boolean; queueId: string }> {
+): Promise<Stored> {
   const request: NewRequest = {
     id,
     project_id: auth.projectId,
@@ -169,7 +203,7 @@ async function store(
     if (existing && existing.body_sha256.equals(submission.bodySha256)) {
       // A replay uses its nonce up, as a new request does.
       if (unstored && !(await insertNonce(deps.db, unstored))) throw replayedRequest();
-      return { answer: existing, replayed: true, queueId: request.queue_id };
+      return { answer: existing, replayed: true };
     }
     if (existing || tries >= 2) {
       // A refused request stores nothing: not even its nonce.

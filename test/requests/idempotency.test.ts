@@ -6,6 +6,7 @@ import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { countRows, dispatchJobs, waitForRow } from '../helpers/rows.ts';
 import { newNonce, signature } from '../helpers/signing.ts';
 import { startFakeUpstream } from '../helpers/upstream.ts';
+import { upstreamsFile } from '../helpers/upstreams-file.ts';
 
 t.test('the same key with the same body is the same request, whatever the key order and wait', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
@@ -58,6 +59,51 @@ t.test('a wait=true replay of a request still running waits for it', async (t) =
   t.equal(replay.headers.get('idempotent-replayed'), 'true');
   const row = await waitForRow(gateway.db, first.body.id, (row) => row.status === 'completed');
   t.equal(row.attempts, 1);
+});
+
+t.test('a replay is answered with its request even once its model is no longer served; a new request for it is refused', async (t) => {
+  const upstream = await startFakeUpstream(t);
+  const serving = (models: string[]) => upstreamsFile(t, [{ name: 'one', base_url: upstream.baseUrl, models }]);
+  const before = await startTestGateway(t, { env: { UPSTREAMS_FILE: await serving(['gpt-old', 'gpt-kept']) } });
+  const key = await before.createKey({ mode: 'live' });
+  const body = { model: 'gpt-old', messages: userMessage(), idempotency_key: 'before' };
+  const first = await clientFor(before.url, key).post({ ...body, wait: true });
+  t.equal(first.status, 200);
+  await before.stop();
+
+  // The upstreams file changed: the gateway no longer serves gpt-old.
+  const after = await startTestGateway(t, { role: 'api', databaseUrl: before.databaseUrl, env: { UPSTREAMS_FILE: await serving(['gpt-kept']) } });
+  const client = clientFor(after.url, key);
+  const stored = async () => {
+    const { rows } = await after.pool.query(`
+      select (select count(*)::int from gateway.requests) as requests,
+             (select count(*)::int from gateway.signature_nonces) as nonces
+    `);
+    return rows[0];
+  };
+
+  const replayWait = await client.post({ ...body, wait: true });
+  t.equal(replayWait.status, 200, 'wait=true replay of a completed request: 200 at once');
+  t.equal(replayWait.text, first.text, 'with its completion');
+  t.equal(replayWait.headers.get('idempotent-replayed'), 'true');
+  const replayAsync = await client.post(body);
+  t.equal(replayAsync.status, 202);
+  t.equal(replayAsync.body.status, 'completed', 'the acknowledgement carries its current status');
+  t.equal(replayAsync.headers.get('idempotent-replayed'), 'true');
+  t.same(await stored(), { requests: 1, nonces: 3 }, 'no second request; each replay used its nonce up');
+
+  for (const refused of [
+    { ...body, idempotency_key: 'new' },
+    { model: 'gpt-old', messages: userMessage() },
+    { ...body, messages: userMessage('another body') },
+  ]) {
+    const answer = await client.post(refused);
+    t.equal(answer.status, 400, 'a request that is not a replay is refused for its model');
+    t.same(answer.body.error, { message: answer.body.error.message, type: 'invalid_request_error', code: 'invalid_parameter', param: 'model' });
+    t.equal(answer.headers.get('idempotent-replayed'), null);
+  }
+  t.same(await stored(), { requests: 1, nonces: 3 }, 'the refusals stored nothing, not even their nonces');
+  t.equal(upstream.calls.length, 1, 'the upstream was called once');
 });
 
 t.test('the same key with a different body is 422 and stores nothing', async (t) => {
