@@ -188,6 +188,21 @@ t.test('keys create --deadline gives the key a deadline of its own, which keys l
   t.same((await adminRows(url, 'select count(*)::int as keys from gateway.api_keys'))[0], { keys: 3 }, 'a refused key is not created');
 });
 
+t.test('keys create --deadline longer than REQUEST_DEADLINE shows the deadline its requests get, and stores the one given', async (t) => {
+  const url = await createTestDatabase(t);
+  const env = { DATABASE_URL: url, SECRET_ENCRYPTION_KEY: randomBytes(32).toString('base64'), REQUEST_DEADLINE: '1h' };
+
+  const longer = await runCli(['keys', 'create', '--project', 'acme', '--deadline', '2h'], env);
+  t.equal(longer.code, 0, longer.stderr);
+  t.match(longer.stdout, /Deadline: +1h \(REQUEST_DEADLINE, shorter than the 2h given;/, 'the deadline in force, and why');
+  t.notMatch(longer.stdout, /Deadline: +2h/);
+  const equal = await runCli(['keys', 'create', '--project', 'acme', '--deadline', '1h'], env);
+  t.match(equal.stdout, /Deadline: +1h \(its requests fail/, 'one no longer than REQUEST_DEADLINE is shown as given');
+
+  const stored = await adminRows(url, `select (extract(epoch from request_deadline) * 1000)::float8 as ms from gateway.api_keys order by created_at`);
+  t.same(stored.map((row) => row.ms), [7_200_000, 3_600_000], 'the key keeps the deadline given: a longer REQUEST_DEADLINE later lets it take effect');
+});
+
 t.test('mistakes get a message and a non-zero exit, not a stack trace (the command line as a process)', async (t) => {
   const url = await createTestDatabase(t);
   const help = await runCliProcess(['--help'], {});

@@ -12,7 +12,7 @@ import { parse, UsageError } from './args.ts';
 async function createKeyCommand(
   db: Db,
   encryptionKey: Buffer | undefined,
-  options: { project: string; mode: KeyMode; deadlineMs: number | undefined; json: boolean },
+  options: { project: string; mode: KeyMode; deadlineMs: number | undefined; requestDeadlineMs: number; json: boolean },
 ): Promise<string> {
   const created = await createKey(db, encryptionKey, options);
   if (options.json) {
@@ -29,10 +29,20 @@ async function createKeyCommand(
     '',
     `  API key:         ${created.api_key}`,
     `  Signing secret:  ${created.signing_secret}`,
-    ...(options.deadlineMs === undefined ? [] : [`  Deadline:        ${formatDuration(options.deadlineMs)} (its requests fail if not finished by then)`]),
+    ...(options.deadlineMs === undefined ? [] : [`  Deadline:        ${deadlineShown(options.deadlineMs, options.requestDeadlineMs)}`]),
     '',
     'Both are shown this once and cannot be recovered: store them now.',
   ].join('\n');
+}
+
+/**
+ * The deadline a key's requests get: its own, cut to REQUEST_DEADLINE when that is shorter (as
+ * each request is accepted; the key keeps its own, which a longer REQUEST_DEADLINE lets apply).
+ */
+function deadlineShown(deadlineMs: number, requestDeadlineMs: number): string {
+  const why = 'its requests fail if not finished by then';
+  if (deadlineMs <= requestDeadlineMs) return `${formatDuration(deadlineMs)} (${why})`;
+  return `${formatDuration(requestDeadlineMs)} (REQUEST_DEADLINE, shorter than the ${formatDuration(deadlineMs)} given; ${why})`;
 }
 
 async function listKeysCommand(db: Db, options: { project?: string; json: boolean }): Promise<string> {
@@ -113,7 +123,13 @@ export function parseKeysCommand(args: string[]): AdminCommand {
       const mode = v.parse(v.picklist(['live', 'test'], '--mode must be live or test'), values.mode);
       const deadlineMs = values.deadline === undefined ? undefined : parseDeadline(values.deadline);
       return (db, { config }) =>
-        createKeyCommand(db, config.secretEncryptionKeys[0], { project: values.project!, mode, deadlineMs, json: values.json! });
+        createKeyCommand(db, config.secretEncryptionKeys[0], {
+          project: values.project!,
+          mode,
+          deadlineMs,
+          requestDeadlineMs: config.requestDeadlineMs,
+          json: values.json!,
+        });
     }
     case 'list': {
       const { values } = parse(rest, { project: { type: 'string' }, json: { type: 'boolean', default: false } });
