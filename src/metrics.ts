@@ -122,6 +122,13 @@ export class Metrics {
     registers: [this.registry],
   });
 
+  readonly spentJobsDeleted = new client.Counter({
+    name: `${PREFIX}spent_jobs_deleted_total`,
+    help: 'graphile-worker jobs that used up their attempts (each run threw), deleted by a worker, by task.',
+    labelNames: ['task'] as const,
+    registers: [this.registry],
+  });
+
   readonly intakeRefused = new client.Counter({
     name: `${PREFIX}intake_refused_total`,
     help: 'Requests refused with 429 by the intake limits, by mode and limit (rate, bytes_rate, lookup_rate, unfinished).',

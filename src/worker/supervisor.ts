@@ -16,6 +16,8 @@
 // - dispatches, every half of WORKER_DEAD_AFTER_MS, the queues with requests due that nothing is
 //   going to dispatch, and wakes the webhook endpoints with messages due that nothing is going to
 //   deliver (rescue.ts).
+// - deletes, as often as it prunes, the graphile-worker jobs that used up their attempts, which
+//   graphile-worker keeps for good (spent-jobs.ts).
 // A stopping worker keeps beating for its dispatcher until its calls and webhook tries in flight
 // have landed (SHUTDOWN_GRACE_MS at most), so that no other worker takes them for lost meanwhile.
 import { EventEmitter } from 'node:events';
@@ -28,6 +30,7 @@ import type { Attempts } from './attempts.ts';
 import { expireOverdue } from './deadlines.ts';
 import { pruneQueues } from './prune.ts';
 import { rescueStranded } from './rescue.ts';
+import { deleteSpent } from './spent-jobs.ts';
 import type { WorkerDeps } from './runner.ts';
 import { runnerOptions } from './runner.ts';
 import { beat, release, sweep } from './supervisor-repository.ts';
@@ -169,16 +172,20 @@ export async function startWorkerService(deps: WorkerDeps & { attempts: Attempts
         if (!stopping) sweepTimer = setTimeout(sweepNow, nextMs);
       });
   };
-  // Requests past their deadline, queues left idle, queues stranded: each looked for now and then,
-  // one run at a time in this process (a run that outlasts its interval, on a backlog or a slow
-  // database, is not joined by another), aborted between batches by stop(), and awaited.
+  // Requests past their deadline, queues left idle, spent jobs, queues stranded: each looked for
+  // now and then, one run at a time in this process (a run that outlasts its interval, on a
+  // backlog or a slow database, is not joined by another), aborted between batches by stop(), and
+  // awaited.
   const idleMs = deps.config.pruneIdleQueuesAfterMs;
+  const pruneMs = Math.min(PRUNE_INTERVAL_MAX_MS, Math.floor(idleMs / 10));
   const chores = [
     periodic(log, 'deadline expiry', EXPIRY_INTERVAL_MS, (signal) => expireOverdue(deps, signal)),
-    periodic(log, 'pruning idle queues', Math.min(PRUNE_INTERVAL_MAX_MS, Math.floor(idleMs / 10)), async (signal) => {
+    periodic(log, 'pruning idle queues', pruneMs, async (signal) => {
       // Their routes are forgotten here; other processes forget theirs as they remember newer ones.
       dispatcher.forgetQueues(await pruneQueues(deps, idleMs, signal));
     }),
+    // Rows nobody uses too: a spent job is never run again, and the rescue takes over what it was for.
+    periodic(log, 'deleting spent jobs', pruneMs, (signal) => deleteSpent(deps, signal)),
     // A queue (or an endpoint) is taken for stranded as a worker is taken for dead: nothing heard
     // of it for WORKER_DEAD_AFTER_MS. Looked for twice per period: rescued within one and a half of it.
     periodic(log, 'rescuing stranded queues', Math.floor(deadAfterMs / 2), (signal) => rescueStranded(deps, deadAfterMs, signal)),
