@@ -68,7 +68,7 @@ export class Metrics {
 
   readonly attempts = new client.Counter({
     name: `${PREFIX}attempts_total`,
-    help: 'Attempts finished, by mode, outcome (succeeded, failed, cancelled: the request ended meanwhile) and error code ("none" unless failed).',
+    help: 'Attempts finished, each counted once it is recorded, by the worker that records it, by mode, outcome (succeeded, failed, cancelled: the request ended meanwhile) and error code ("none" unless failed).',
     labelNames: ['mode', 'outcome', 'code'] as const,
     registers: [this.registry],
   });

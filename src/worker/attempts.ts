@@ -203,11 +203,14 @@ export function createAttempts(deps: AttemptDeps): Attempts {
     }
     const result = outcome.ok ? 'succeeded' : 'failed';
     deps.metrics.upstreamDuration.observe({ mode: target.mode, outcome: result }, durationMs / 1000);
-    // gateway_attempts_total: an attempt by the outcome it is recorded with: a completion once it
-    // is recorded, or as the failure it is recorded as when the database refuses it.
-    const counted = (code: AttemptErrorCode | 'none') =>
-      deps.metrics.attempts.inc({ mode: target.mode, outcome: code === 'none' ? 'succeeded' : 'failed', code });
-    if (!outcome.ok) counted(outcome.code);
+    // gateway_attempts_total: an attempt by the outcome it is recorded with (a completion the
+    // database refuses, as the failure it is recorded as instead), once its recording has
+    // answered. Not one whose end another process recorded first (`done` null: a sweep took this
+    // worker for dead and counted it as worker_lost, or its request ended meanwhile), nor one
+    // whose recording was given up (the sweep counts it, once it records it as worker_lost).
+    const counted = (done: Finished, code: AttemptErrorCode | 'none') => {
+      if (done) deps.metrics.attempts.inc({ mode: target.mode, outcome: code === 'none' ? 'succeeded' : 'failed', code });
+    };
     try {
       if (outcome.ok) {
         const { usage, upstreamStatus } = outcome;
@@ -221,10 +224,11 @@ export function createAttempts(deps: AttemptDeps): Attempts {
           if (isDatabaseUnavailable(error) || abandoning.signal.aborted) throw error;
           log.error({ requestId: started.id, err: errorSummary(error) }, "could not store the provider's answer; recording the attempt as failed instead");
           const detail = "the provider's answer could not be stored";
-          counted('upstream_invalid_response');
-          return (await fail(started, { code: 'upstream_invalid_response', detail, upstreamStatus, durationMs }))?.retryInMs;
+          const failed = await fail(started, { code: 'upstream_invalid_response', detail, upstreamStatus, durationMs });
+          counted(failed, 'upstream_invalid_response');
+          return failed?.retryInMs;
         }
-        counted('none');
+        counted(done, 'none');
         if (done) {
           // gateway_tokens_total: a completion's usage, by its lane.
           const labels = { mode: target.mode, upstream: target.upstream?.name ?? SIMULATOR, model: target.modelLabel };
@@ -234,7 +238,9 @@ export function createAttempts(deps: AttemptDeps): Attempts {
         log.debug({ requestId: started.id, attempt: started.attempt, durationMs, stale: !done }, 'attempt succeeded');
       } else {
         const { code, detail, upstreamStatus } = outcome;
-        return (await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs, shutDown }))?.retryInMs;
+        const failed = await fail(started, { code, detail, upstreamStatus, durationMs, retryAfterMs: outcome.retryAfterMs, shutDown });
+        counted(failed, code);
+        return failed?.retryInMs;
       }
     } catch (error) {
       // The attempt stays running in the database. Abandoned at shutdown, it is this worker's
