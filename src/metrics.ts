@@ -138,7 +138,7 @@ export class Metrics {
 
   readonly webhookDeliveries = new client.Counter({
     name: `${PREFIX}webhook_deliveries_total`,
-    help: 'Webhook delivery tries finished, by outcome: succeeded (a 2xx), failed (retried, or given up once the schedule is spent), disabled (a 410).',
+    help: 'Webhook delivery tries finished, each counted once its end is recorded, by the worker that records it, by outcome: succeeded (a 2xx), failed (retried, or given up once the schedule is spent; handed back, its worker lost), disabled (a 410).',
     labelNames: ['outcome'] as const,
     registers: [this.registry],
   });

@@ -553,8 +553,6 @@ export class WebhookDeliverer {
     if (answer.kind === 'failed' && signal.reason === ABORTED_BY_SHUTDOWN) {
       answer = { kind: 'failed', httpStatus: null, error: 'the worker shut down during the try', retryAtOnce: true, timedOut: undefined };
     }
-    const outcome = answer.kind === 'delivered' ? 'succeeded' : answer.kind === 'gone' ? 'disabled' : 'failed';
-    this.#options.metrics.webhookDeliveries.inc({ outcome });
     const end: TryEnd = {
       messageId: message.id,
       endpointId: message.endpoint_id,
@@ -577,6 +575,11 @@ export class WebhookDeliverer {
     const context = { messageId: message.id, endpointId: message.endpoint_id, try: message.tries, httpStatus: answer.httpStatus, durationMs, probe };
     try {
       const status = await this.#db(() => finishTry(this.#options.db, end, ENDPOINT_BACKOFF), { untilAbandoned: true });
+      // gateway_webhook_deliveries_total: a try once its end is recorded, and only by the process
+      // that records it. Not one the sweep handed back meanwhile (stale: counted as failed by the
+      // worker that handed it back), nor one whose end could not be recorded (counted when it is
+      // handed back).
+      if (status) this.#options.metrics.webhookDeliveries.inc({ outcome: answer.kind === 'delivered' ? 'succeeded' : answer.kind === 'gone' ? 'disabled' : 'failed' });
       if (answer.kind === 'delivered') this.#log.debug({ ...context, stale: !status }, 'webhook delivered');
       else if (answer.kind === 'gone') this.#log.warn({ ...context, stale: !status }, 'webhook endpoint answered 410 Gone: disabled');
       else this.#log.info({ ...context, error: end.error, retryInMs: end.retryInMs, status: status ?? 'stale' }, 'webhook try failed');

@@ -11,7 +11,7 @@ import { wakeStrandedEndpoints } from '../../src/worker/rescue-repository.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { startTcpProxy } from '../helpers/tcp-proxy.ts';
 import { until } from '../helpers/wait.ts';
-import { addTestEndpoint, deliveryJobs, endRequest, messagesOf, startReceiver, testDeliverer, triesOf } from './support.ts';
+import { addTestEndpoint, deliveryJobs, endRequest, messagesOf, metricValue, startReceiver, testDeliverer, triesOf } from './support.ts';
 
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 
@@ -128,6 +128,7 @@ t.test('a try whose end fails for a reason no retry mends is handed back by its 
   t.match(await messagesOf(gateway.db, requestId), [{ status: 'pending', worker_id: null, tries: 1 }]);
   t.match(await triesOf(gateway.db, message!.id), [{ outcome: 'failed', error: 'the worker lost track of the try' }]);
   t.match(await metrics.render(), /gateway_webhook_deliveries_total\{outcome="failed"\} 1\b/, 'counted as a failed try');
+  t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="succeeded"}'), 0, 'and only so: its 2xx, never recorded, was not counted');
   t.equal(await deliverer.recoverForgotten(), 0, 'once');
 
   t.same(await runDueJobs(), ['started']);
