@@ -179,7 +179,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
           ? { onStored: (queueId: string) => dispatcher.poke(queueId), reserveStart: (queueId: string) => dispatcher.reserveStart(queueId) }
           : {}),
       });
-      shutdown.server = await listenOn(app.callback(), config.port, config.host);
+      shutdown.server = await listenOn(app.callback(), config.port, config.host, metrics);
     }
     if (worker) {
       if (role === 'worker') {
@@ -189,7 +189,7 @@ export async function startGateway(options: GatewayOptions): Promise<Gateway> {
         metrics.watchWebhooks(() => oldestUnfinishedMessageAge(worker.db));
         if (options.http !== false) {
           const ops = createOpsApp({ config, pool: worker.pool, metrics, logger });
-          shutdown.server = await listenOn(ops.callback(), config.port, config.host);
+          shutdown.server = await listenOn(ops.callback(), config.port, config.host, metrics);
         }
       }
       shutdown.worker = await startWorkerService({ config, metrics, logger, ...worker });
@@ -243,17 +243,19 @@ function buildWorkerSide(parts: {
 
 /** GET /metrics on METRICS_PORT. */
 function listenForMetrics(config: Config, metrics: Metrics, logger: Logger): Promise<http.Server> {
-  return listenOn(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort!, config.host);
+  return listenOn(createMetricsApp({ config, metrics, logger }).callback(), config.metricsPort!, config.host, metrics);
 }
 
 /**
  * listen(), whose failure stops the start, saying why: a HOST that does not resolve fails with
  * getaddrinfo's ENOTFOUND or EAI_AGAIN, which a start would otherwise take for its database out
  * of reach (whenAvailable) and try again for good. A port in use is said by the command line.
+ * The answers the server gives before the app (http/server.ts) are counted as the app's are,
+ * with no route matched.
  */
-async function listenOn(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
+async function listenOn(handler: http.RequestListener, port: number, host: string, metrics: Metrics): Promise<http.Server> {
   try {
-    return await listen(handler, port, host);
+    return await listen(handler, port, host, (method, status) => metrics.httpRequests.inc({ method, route: 'unmatched', status: String(status) }));
   } catch (error) {
     if (errorCode(error) === 'EADDRINUSE') throw error;
     throw new ConfigError(`Cannot listen on HOST ${host}, port ${port}: ${(error as Error).message}.`);

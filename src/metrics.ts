@@ -31,14 +31,14 @@ export class Metrics {
 
   readonly httpRequests = new client.Counter({
     name: `${PREFIX}http_requests_total`,
-    help: 'HTTP requests answered, by method, route pattern and status.',
+    help: 'HTTP requests answered, by method, route pattern and status; those the server answers itself before any route (not HTTP, headers too large, no Host, CONNECT) with route "unmatched" (method "unknown" when it could not be parsed).',
     labelNames: ['method', 'route', 'status'] as const,
     registers: [this.registry],
   });
 
   readonly httpDuration = new client.Histogram({
     name: `${PREFIX}http_request_duration_seconds`,
-    help: 'Time to answer an HTTP request (a wait=true request includes its wait).',
+    help: 'Time to answer an HTTP request (a wait=true request includes its wait); not for the answers the server gives itself.',
     labelNames: ['method', 'route'] as const,
     buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
     registers: [this.registry],

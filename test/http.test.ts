@@ -13,6 +13,7 @@ import { createLogger } from '../src/logger.ts';
 import { Metrics } from '../src/metrics.ts';
 import { startTestGateway } from './helpers/gateway.ts';
 import { clientFor, send, userMessage, type Answer } from './helpers/http.ts';
+import { parseMetrics } from './helpers/metrics.ts';
 import { listenOnLoopback } from './helpers/ports.ts';
 import { until } from './helpers/wait.ts';
 
@@ -209,6 +210,26 @@ t.test('CONNECT is a 405 method_not_allowed in the contract\'s shape, and its co
     t.match(answer.headers, /\r\nconnection: close\r\n/i);
     t.same(answer.body, { error: { message: answer.body?.error?.message, type: 'invalid_request_error', code: 'method_not_allowed', param: null } });
   }
+});
+
+t.test('the answers the server gives itself, before the app (not HTTP, headers too large, no Host, CONNECT), are counted in gateway_http_requests_total', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api', env: { METRICS_PORT: '0' } });
+  const largeHeaders = `GET /healthz HTTP/1.1\r\nHost: gateway\r\nX-Large: ${'x'.repeat(20_000)}\r\n\r\n`;
+  for (const [baseUrl, request, status] of [
+    [gateway.url, 'GET / HTTP/9.9\r\n\r\n', 400],
+    [gateway.url, largeHeaders, 413],
+    [gateway.metricsUrl, largeHeaders, 413],
+    [gateway.url, 'GET /healthz HTTP/1.1\r\n\r\n', 400],
+    [gateway.url, 'CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n', 405],
+  ] as const) {
+    t.equal((await sendRaw(baseUrl, request)).status, status, `${request.slice(0, request.indexOf('\r'))}: ${status}`);
+  }
+  const samples = parseMetrics((await send(gateway.metricsUrl, { path: '/metrics' })).text);
+  const counted = (method: string, status: number) => samples.get(`gateway_http_requests_total{method="${method}",route="unmatched",status="${status}"}`);
+  t.equal(counted('unknown', 400), 1, 'not HTTP: its method unknown');
+  t.equal(counted('unknown', 413), 2, 'headers too large, on PORT and on METRICS_PORT');
+  t.equal(counted('GET', 400), 1, 'an HTTP/1.1 request without Host');
+  t.equal(counted('CONNECT', 405), 1, 'CONNECT');
 });
 
 t.test('a request answered before its body is read (refused at once) has its connection closed if the rest keeps coming', async (t) => {

@@ -31,7 +31,14 @@ interface ServerState {
   closing: boolean;
   /** The servers of its other listening sockets (LISTENING_SOCKETS). */
   siblings: http.Server[];
+  onAnswer: OnAnswer | undefined;
 }
+
+/**
+ * Told of each answer a server gives itself, its request never given to the handler: `method`
+ * is 'unknown' when the request could not be parsed.
+ */
+export type OnAnswer = (method: string, status: number) => void;
 
 /** Each server's state (closeServer), the same for the servers of its other sockets. */
 const servers = new WeakMap<http.Server, ServerState>();
@@ -41,10 +48,10 @@ const servers = new WeakMap<http.Server, ServerState>();
  * the platform cannot share it or the process is an API process of a cluster (its primary
  * accepts the connections). The server returned stands for all of them (closeServer, urlOf).
  * A port already in use is refused (EADDRINUSE) as by a single socket, even when whoever holds it
- * would share it.
+ * would share it. `onAnswer` hears of the answers the server gives without the handler.
  */
-export async function listen(handler: http.RequestListener, port: number, host: string): Promise<http.Server> {
-  const state: ServerState = { unanswered: new Set(), connections: new Set(), closing: false, siblings: [] };
+export async function listen(handler: http.RequestListener, port: number, host: string, onAnswer?: OnAnswer): Promise<http.Server> {
+  const state: ServerState = { unanswered: new Set(), connections: new Set(), closing: false, siblings: [], onAnswer };
   const serve = () => {
     const server = createServer(handler, state);
     servers.set(server, state);
@@ -78,6 +85,7 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
     response.once('close', () => state.unanswered.delete(response));
     if (request.httpVersion === '1.1' && request.headers.host === undefined) {
       refuse(response, invalidRequest('invalid_body', 'The request is not valid HTTP/1.1: it has no Host header.'));
+      state.onAnswer?.(request.method ?? 'unknown', 400);
       return;
     }
     response.once('finish', () => {
@@ -112,9 +120,12 @@ function createServer(handler: http.RequestListener, state: ServerState): http.S
   server.on('checkContinue', onRequest);
   // No route takes CONNECT, which Node hands to no request listener: unheard, it would close the
   // connection without a word.
-  server.on('connect', (_request: http.IncomingMessage, socket: Duplex) => endWith(socket, methodNotAllowed()));
+  server.on('connect', (_request: http.IncomingMessage, socket: Duplex) => {
+    endWith(socket, methodNotAllowed());
+    state.onAnswer?.('CONNECT', 405);
+  });
   server.maxHeadersCount = 100;
-  server.on('clientError', answerClientError);
+  server.on('clientError', (error: Error & { code?: string }, socket: Duplex) => answerClientError(error, socket, state.onAnswer));
   server.on('connection', (socket: Duplex) => {
     state.connections.add(socket);
     socket.once('close', () => state.connections.delete(socket));
@@ -188,7 +199,7 @@ function unbind(server: http.Server): Promise<void> {
  * Requests too broken to reach the app (unparseable HTTP, oversized headers) still get the
  * contract's error shape; a client too slow to send its request just loses the connection.
  */
-function answerClientError(error: Error & { code?: string }, socket: Duplex): void {
+function answerClientError(error: Error & { code?: string }, socket: Duplex, onAnswer: OnAnswer | undefined): void {
   if (!socket.writable || error.code === 'ECONNRESET') {
     socket.destroy();
     return;
@@ -197,12 +208,12 @@ function answerClientError(error: Error & { code?: string }, socket: Duplex): vo
     socket.end();
     return;
   }
-  endWith(
-    socket,
+  const answer =
     error.code === 'HPE_HEADER_OVERFLOW'
       ? new ApiError(413, 'invalid_request_error', 'request_too_large', 'The request headers are too large.')
-      : invalidRequest('invalid_body', 'The request is not valid HTTP/1.1.'),
-  );
+      : invalidRequest('invalid_body', 'The request is not valid HTTP/1.1.');
+  endWith(socket, answer);
+  onAnswer?.('unknown', answer.status);
 }
 
 /** How long a socket answered by endWith is kept for its client to close its side. */
