@@ -1,4 +1,4 @@
-// `gateway serve` as a child process of the test (`node src/cli.ts serve`): started with an
+// `gateway serve` (or `start`) as a child process of the test (`node src/cli.ts serve`): started with an
 // environment of its own, its stdout and stderr kept line by line in memory (and in a log file,
 // when given one), sent any signal, and started again.
 import { spawn, type ChildProcess } from 'node:child_process';
@@ -62,7 +62,9 @@ export interface Exit {
 export interface ProcessOptions {
   /** Its name in messages, e.g. "api" or "worker-a". */
   label: string;
-  /** `gateway serve`'s arguments, e.g. ['--role', 'worker'] (none: every role in one process). */
+  /** The command run: `gateway serve` unless given (`start`: on the embedded Postgres when DATABASE_URL is unset). */
+  command?: 'serve' | 'start';
+  /** The command's arguments, e.g. ['--role', 'worker'] (none: every role in one process). */
   args: string[];
   /** Its whole environment. */
   env: Record<string, string>;
@@ -109,7 +111,8 @@ export class GatewayProcess {
   spawn(): void {
     if (this.running) throw new Error(`${this.label} is already running`);
     this.#starts += 1;
-    const child = spawn(process.execPath, [...(this.#options.nodeArgs ?? []), CLI, 'serve', ...this.#options.args], {
+    const command = this.#options.command ?? 'serve';
+    const child = spawn(process.execPath, [...(this.#options.nodeArgs ?? []), CLI, command, ...this.#options.args], {
       cwd: ROOT,
       env: this.#options.env,
       stdio: ['ignore', 'pipe', 'pipe'],
