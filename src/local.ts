@@ -22,7 +22,11 @@ export interface LocalDatabase {
   shutdownHandled(): void;
 }
 
-export async function openDatabase(config: Config, logger: Logger): Promise<LocalDatabase> {
+/**
+ * DATABASE_URL's database, or the embedded Postgres under DATA_DIR: `serves` for `gateway start`,
+ * which refuses an embedded Postgres another gateway runs (embedded.ts).
+ */
+export async function openDatabase(config: Config, logger: Logger, options: { serves: boolean }): Promise<LocalDatabase> {
   if (config.databaseUrl !== undefined) {
     return { url: config.databaseUrl, embedded: false, release: async () => {}, shutdownHandled: () => {} };
   }
@@ -31,6 +35,7 @@ export async function openDatabase(config: Config, logger: Logger): Promise<Loca
     port: config.embeddedPostgresPort,
     logger,
     durable: true,
+    serves: options.serves,
   });
   return { url: cluster.url, embedded: true, release: () => cluster.stop(), shutdownHandled: () => cluster.shutdownHandled() };
 }

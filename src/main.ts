@@ -300,7 +300,7 @@ function whenAvailable<T>(step: () => Promise<T>, logger: Logger): Promise<T> {
  */
 export async function start(baseConfig: Config): Promise<void> {
   const logger = createLogger(baseConfig);
-  const database = await openDatabase(baseConfig, logger);
+  const database = await openDatabase(baseConfig, logger, { serves: true });
   try {
     const config = database.embedded ? await withLocalSecrets(baseConfig) : baseConfig;
     const pool = createPool(database.url, { max: 2, applicationName: 'gateway-migrate', logger, sessionSettings: false });
@@ -406,7 +406,7 @@ export async function runAdminCommand(
     { logLevel: config.logLevel === 'info' ? 'warn' : config.logLevel },
     { write: (line: string) => io.err(line.replace(/\n$/, '')) },
   );
-  const database = await openDatabase(config, logger);
+  const database = await openDatabase(config, logger, { serves: false });
   const effective = database.embedded ? await withLocalSecrets(config) : config;
   const pool = createPool(database.url, { max: 2, applicationName: 'gateway-cli', logger, sessionSettings: false });
   try {

@@ -38,6 +38,13 @@ export interface EmbeddedOptions {
   logger: Logger;
   /** false for throw-away test clusters: no fsync, much faster. */
   durable: boolean;
+  /**
+   * true for a process that serves on the cluster (`gateway start`): it must be the one that stops
+   * the cluster, so it starts one of its own (or takes over one left running), and refuses a
+   * cluster another live process serving on it started. Otherwise (an administrative command, a
+   * script's or the test suite's cluster) a running cluster is used as it is.
+   */
+  serves?: boolean;
 }
 
 interface Credentials {
@@ -53,18 +60,29 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   const urlFor = (port: number) =>
     `postgres://${credentials.user}:${credentials.password}@127.0.0.1:${port}/postgres`;
 
-  const running = await runningCluster(directory);
-  if (running !== undefined) {
+  for (let waiting = false; ; waiting = true) {
+    const running = await runningCluster(directory);
+    if (running === undefined) break;
     const owner = await ownerOf(directory);
-    if (owner !== undefined && isAlive(owner)) {
+    if (owner === undefined || !isAlive(owner.pid)) {
+      // The process that started it is gone (killed: no exit hook ran), and left it running: this
+      // one takes it over, and stops it as one it started, rather than leave it running for good.
+      await writeOwnerFile(directory, options.serves === true);
+      options.logger.info({ directory, port: running.port }, 'taking over the embedded Postgres that a process now gone left running');
+      return { url: urlFor(running.port), ...stopWithProcess(adopted(running.pid), directory) };
+    }
+    if (!options.serves) {
       options.logger.info({ directory, port: running.port }, 'using the embedded Postgres that is already running');
       return { url: urlFor(running.port), stop: async () => {}, shutdownHandled: () => {} };
     }
-    // The process that started it is gone (killed: no exit hook ran), and left it running: this
-    // one takes it over, and stops it as one it started, rather than leave it running for good.
-    await writeFile(ownerFile(directory), String(process.pid));
-    options.logger.info({ directory, port: running.port }, 'taking over the embedded Postgres that a process now gone left running');
-    return { url: urlFor(running.port), ...stopWithProcess(adopted(running.pid), directory) };
+    // Its owner stops it when it stops, and a gateway serving on it would be left without its
+    // database: another gateway's cluster is refused; a command's is waited out (it stops the
+    // cluster at its end, a moment away), and this process then starts one of its own.
+    if (owner.serves) throw ownedByAnotherGateway(directory, owner.pid, running.port);
+    if (!waiting) {
+      options.logger.info({ directory, owner: owner.pid }, 'waiting for the command that started the embedded Postgres to stop it');
+    }
+    await sleep(OWNER_CHECK_INTERVAL_MS);
   }
 
   const EmbeddedPostgresClass = await importWithoutSignalHandlers();
@@ -100,7 +118,7 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   // find it running and use it, never to stop it: from its spawn on, it is stopped with the process.
   const stopping = stopWithProcess(spawned(postgres.child), directory);
   try {
-    await writeFile(ownerFile(directory), String(process.pid));
+    await writeOwnerFile(directory, options.serves === true);
     await postgres.ready;
   } catch (error) {
     await stopping.stop();
@@ -118,6 +136,21 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
 /** An embedded Postgres that did not start: its message says why, in one line (the command line prints no stack). */
 export class EmbeddedPostgresError extends Error {
   override name = 'EmbeddedPostgresError';
+}
+
+/**
+ * Why a gateway does not serve on the cluster another live gateway started, and how to run more
+ * processes on it: as API processes of that gateway, or with DATABASE_URL set to the cluster (its
+ * user and password are in `<directory>.json`) and that gateway's encryption key.
+ */
+function ownedByAnotherGateway(directory: string, pid: number, port: number): EmbeddedPostgresError {
+  return new EmbeddedPostgresError(
+    `The embedded Postgres in ${directory} is run by another gateway (pid ${pid}) and stops when that one stops: ` +
+      'a second gateway on it would be left without its database. Stop that one first, give it more API processes ' +
+      `(API_PROCESSES), or run more with DATABASE_URL=postgres://<user>:<password>@127.0.0.1:${port}/postgres ` +
+      `(its user and password are in ${directory}.json) and that gateway's SECRET_ENCRYPTION_KEY ` +
+      '(DATA_DIR/secret-encryption-key when it generated one).',
+  );
 }
 
 /** The signals that end a process unless handled: a terminal's Ctrl-C, a kill, a terminal closed. */
@@ -191,7 +224,8 @@ function stopWithProcess(postmaster: Postmaster, directory: string): Pick<Embedd
     for (const signal of ENDING_SIGNALS) process.off(signal, onSignal);
     if (!exited()) postmaster.kill('SIGINT');
     await postmaster.gone;
-    await rm(ownerFile(directory), { force: true });
+    // Unless a gateway waiting for it to stop the cluster has started the next one already.
+    if ((await ownerOf(directory))?.pid === process.pid) await rm(ownerFile(directory), { force: true });
   };
   return {
     stop,
@@ -257,15 +291,35 @@ async function loadCredentials(file: string): Promise<Credentials> {
 }
 
 /**
- * The process that started the cluster of `directory` and stops it (`<directory>.owner`): whoever
- * else uses it while that process lives leaves it alone.
+ * The process that started the cluster of `directory` and stops it (`<directory>.owner`), and
+ * whether it serves on it (a gateway) or is an administrative command: whoever else uses the
+ * cluster while that process lives leaves it alone.
  */
 const ownerFile = (directory: string) => `${directory}.owner`;
 
-async function ownerOf(directory: string): Promise<number | undefined> {
-  const pid = Number(await readFile(ownerFile(directory), 'utf8').catch(() => ''));
-  return Number.isInteger(pid) && pid > 0 ? pid : undefined;
+interface Owner {
+  pid: number;
+  serves: boolean;
 }
+
+function writeOwnerFile(directory: string, serves: boolean): Promise<void> {
+  return writeFile(ownerFile(directory), JSON.stringify({ pid: process.pid, serves } satisfies Owner));
+}
+
+async function ownerOf(directory: string): Promise<Owner | undefined> {
+  let owner: unknown;
+  try {
+    owner = JSON.parse(await readFile(ownerFile(directory), 'utf8'));
+  } catch {
+    return undefined;
+  }
+  // A pid alone: written by a gateway of an earlier version, which may be serving on the cluster.
+  if (typeof owner === 'number') owner = { pid: owner, serves: true };
+  const { pid, serves } = (owner ?? {}) as Partial<Owner>;
+  return Number.isInteger(pid) && pid! > 0 ? { pid: pid!, serves: serves === true } : undefined;
+}
+
+const OWNER_CHECK_INTERVAL_MS = 200;
 
 function isAlive(pid: number): boolean {
   try {

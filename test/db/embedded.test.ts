@@ -1,16 +1,18 @@
 // The embedded Postgres (DATABASE_URL unset): a cluster under a directory, started by the process
 // that needs it, or used as it is when it is already running there.
-import { spawn } from 'node:child_process';
+import { spawn, type ChildProcess } from 'node:child_process';
 import { once } from 'node:events';
 import { chmod, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
+import { Writable } from 'node:stream';
 import pg from 'pg';
 import t, { type Test } from 'tap';
-import { startEmbeddedPostgres } from '../../src/db/embedded.ts';
+import { startEmbeddedPostgres, type EmbeddedOptions } from '../../src/db/embedded.ts';
 import { createLogger } from '../../src/logger.ts';
 import { childEnv, childExecArgv } from '../helpers/node-child.ts';
 import { freePort } from '../helpers/ports.ts';
+import { until } from '../helpers/wait.ts';
 
 const logger = createLogger({ logLevel: 'silent' });
 
@@ -26,6 +28,26 @@ async function answers(url: string): Promise<boolean> {
   } finally {
     await client.end().catch(() => {});
   }
+}
+
+/**
+ * A process of its own that starts the embedded Postgres with these options, as an administrative
+ * command does (it stops that Postgres at its end, or at a SIGTERM); resolved once it has.
+ */
+async function startedInAnotherProcess(options: Omit<EmbeddedOptions, 'logger'>): Promise<ChildProcess> {
+  const embedded = new URL('../../src/db/embedded.ts', import.meta.url).href;
+  const logging = new URL('../../src/logger.ts', import.meta.url).href;
+  const script = `
+    const { startEmbeddedPostgres } = await import(${JSON.stringify(embedded)});
+    const { createLogger } = await import(${JSON.stringify(logging)});
+    await startEmbeddedPostgres({ ...${JSON.stringify(options)}, logger: createLogger({ logLevel: 'silent' }) });
+    console.log('ready');
+    setInterval(() => {}, 1000);
+  `;
+  const child = spawn(process.execPath, [...childExecArgv(), '--input-type=module', '-e', script], { env: childEnv(), stdio: ['ignore', 'pipe', 'inherit'] });
+  const [line] = (await once(child.stdout!, 'data')) as [Buffer];
+  if (line.toString().trim() !== 'ready') throw new Error(`the other process said: ${line.toString()}`);
+  return child;
 }
 
 /** Options of an embedded Postgres in a directory of its own, removed at the test's end. */
@@ -64,18 +86,7 @@ t.test('a Postgres left running by a process that was killed: the next start tak
   });
 
   // A process that starts the embedded Postgres and is killed (SIGKILL: no exit hook runs).
-  const embedded = new URL('../../src/db/embedded.ts', import.meta.url).href;
-  const logging = new URL('../../src/logger.ts', import.meta.url).href;
-  const script = `
-    const { startEmbeddedPostgres } = await import(${JSON.stringify(embedded)});
-    const { createLogger } = await import(${JSON.stringify(logging)});
-    await startEmbeddedPostgres({ ...${JSON.stringify(options)}, logger: createLogger({ logLevel: 'silent' }) });
-    console.log('ready');
-    setInterval(() => {}, 1000);
-  `;
-  const first = spawn(process.execPath, [...childExecArgv(), '--input-type=module', '-e', script], { env: childEnv(), stdio: ['ignore', 'pipe', 'inherit'] });
-  const [line] = (await once(first.stdout!, 'data')) as [Buffer];
-  t.equal(line.toString().trim(), 'ready', 'the first process started the embedded Postgres');
+  const first = await startedInAnotherProcess(options);
   first.kill('SIGKILL');
   await once(first, 'exit');
 
@@ -84,4 +95,29 @@ t.test('a Postgres left running by a process that was killed: the next start tak
   second.shutdownHandled();
   await second.stop();
   t.notOk(await answers(second.url), 'and its stop stops it');
+});
+
+t.test('a Postgres an administrative command started: a gateway start waits for the command to stop it, then starts its own', async (t) => {
+  const { logger: _silent, ...options } = await clusterOptions(t, 'command');
+  const command = await startedInAnotherProcess(options);
+  t.teardown(() => command.kill('SIGKILL'));
+  const logs: string[] = [];
+  const sink = new Writable({
+    write(chunk: Buffer, _encoding, done) {
+      logs.push(chunk.toString());
+      done();
+    },
+  });
+  const logger = createLogger({ logLevel: 'info' }, sink);
+
+  let resolved = false;
+  const starting = startEmbeddedPostgres({ ...options, logger, serves: true }).finally(() => (resolved = true));
+  await until(() => resolved || logs.some((line) => line.includes(`"owner":${command.pid}`)), 'the start to find the command\'s Postgres', 30_000);
+  // The command ends (SIGTERM: it stops its Postgres, then exits).
+  command.kill('SIGTERM');
+  await once(command, 'exit');
+
+  const gateway = await starting;
+  t.teardown(() => gateway.stop());
+  t.ok(await answers(gateway.url), 'the Postgres the start gives answers once the command has ended', { logs });
 });
