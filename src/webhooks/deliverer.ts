@@ -95,6 +95,9 @@ export const ENDPOINT_BACKOFF: EndpointBackoff = { minMs: 1_000, maxMs: 60_000 }
 const PROBE_MARGIN_MS = 1_000;
 // Without SECRET_ENCRYPTION_KEY nothing can be signed: messages are looked at again this often.
 const NO_KEY_RETRY_MS = 60_000;
+// A message whose endpoint's secret none of this worker's keys decrypts is made again after a
+// wait from NO_KEY_RETRY_MS, doubled each time it was not sent for a fault of ours, up to this.
+const SECRET_UNDECRYPTABLE_MAX_RETRY_MS = 60 * 60_000;
 // What of a receiver's answer is read (and dropped), so that its connection serves the next try.
 const MAX_ANSWER_BYTES = 64 * 1024;
 // Idle connections to an endpoint kept for its next tries this long.
@@ -154,7 +157,11 @@ type Answer =
       httpStatus: number | null;
       error: string;
       retryAfterMs?: number | undefined;
-      retryAtOnce?: boolean;
+      /**
+       * A failure of ours, not the endpoint's (our shutdown cut the try short, or we could not
+       * sign it): it spends no retry, and the try is made again in this long.
+       */
+      oursRetryInMs?: number;
       /** What it says of the endpoint (TryEnd.timedOut): undefined when the failure was ours. */
       timedOut: boolean | undefined;
     };
@@ -551,7 +558,7 @@ export class WebhookDeliverer {
     }
     const durationMs = Math.round(performance.now() - begun);
     if (answer.kind === 'failed' && signal.reason === ABORTED_BY_SHUTDOWN) {
-      answer = { kind: 'failed', httpStatus: null, error: 'the worker shut down during the try', retryAtOnce: true, timedOut: undefined };
+      answer = { kind: 'failed', httpStatus: null, error: 'the worker shut down during the try', oursRetryInMs: 0, timedOut: undefined };
     }
     const end: TryEnd = {
       messageId: message.id,
@@ -564,13 +571,12 @@ export class WebhookDeliverer {
       timedOut: answer.kind === 'failed' ? answer.timedOut : false,
     };
     if (answer.kind === 'failed') {
-      // A try cut short by our own shutdown is not the endpoint's failure: it is made again at
-      // once, in its place in the schedule. (So are the tries a worker lost: handed back, they
-      // leave webhook_messages.failures as it was.)
-      end.spendsRetry = !answer.retryAtOnce;
-      end.retryInMs = answer.retryAtOnce
-        ? 0
-        : nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.failures + 1, answer.retryAfterMs);
+      // A try cut short by our own shutdown, or that we could not sign, is not the endpoint's
+      // failure: it is made again in its place in the schedule. (So are the tries a worker lost:
+      // handed back, they leave webhook_messages.failures as it was.)
+      end.spendsRetry = answer.oursRetryInMs === undefined;
+      end.retryInMs =
+        answer.oursRetryInMs ?? nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.failures + 1, answer.retryAfterMs);
     }
     const context = { messageId: message.id, endpointId: message.endpoint_id, try: message.tries, httpStatus: answer.httpStatus, durationMs, probe };
     try {
@@ -604,10 +610,19 @@ export class WebhookDeliverer {
         .filter((sealed): sealed is Buffer => sealed !== null)
         .map((sealed) => decryptSecret(sealed, message.endpoint_id, encryptionKeys));
     } catch {
+      // This worker's configuration, not the endpoint: the try never reaches it. Another worker
+      // (mid-rotation, one given SECRET_ENCRYPTION_KEYS already) may have the key, or this one
+      // once it is set right; meanwhile the message waits, later each time, its retries whole.
+      const retryInMs = doubling(message.tries - message.failures, NO_KEY_RETRY_MS, SECRET_UNDECRYPTABLE_MAX_RETRY_MS);
+      this.#log.error(
+        { endpointId: message.endpoint_id, messageId: message.id, retryInMs },
+        "the webhook endpoint's secret is encrypted with a key this worker does not have (SECRET_ENCRYPTION_KEY(S)): its message was not sent, and waits",
+      );
       return {
         kind: 'failed',
         httpStatus: null,
         error: "the endpoint's secret could not be decrypted: no key of SECRET_ENCRYPTION_KEY(S) is the one it was stored with",
+        oursRetryInMs: retryInMs,
         timedOut: undefined,
       };
     }

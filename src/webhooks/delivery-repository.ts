@@ -20,7 +20,7 @@ export interface ClaimedMessage {
   created_at: Date;
   /** The number of this try (webhook_deliveries.try_number). */
   tries: number;
-  /** The tries before it that failed, each spending a wait of the retry schedule (not those their worker lost). */
+  /** The tries before it that failed, each spending a wait of the retry schedule (not those their worker lost or could not sign). */
   failures: number;
   url: string;
   secret_ciphertext: Buffer;
@@ -272,7 +272,10 @@ export interface TryEnd {
    */
   kind: 'delivered' | 'gone' | 'failed';
   retryInMs?: number | undefined;
-  /** A failure that spends a wait of the retry schedule (webhook_messages.failures): not a try our shutdown cut short. */
+  /**
+   * A failure that spends a wait of the retry schedule (webhook_messages.failures): not a try our
+   * shutdown cut short, nor one we could not sign (the endpoint's secret is under a key we lack).
+   */
   spendsRetry?: boolean;
   httpStatus: number | null;
   /** Why it failed, in our words; null when delivered. */

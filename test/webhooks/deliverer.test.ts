@@ -3,6 +3,7 @@
 // official standardwebhooks package: what is sent and how it is signed, retries on the
 // schedule, 410, the SSRF guard, secret rotation, capacity, a missing encryption key, the
 // sweep's recovery of lost tries, and shutdown.
+import { randomBytes } from 'node:crypto';
 import { sql } from 'kysely';
 import t from 'tap';
 import { claimMessage } from '../../src/webhooks/delivery-repository.ts';
@@ -581,6 +582,53 @@ t.test('a worker without SECRET_ENCRYPTION_KEY leaves messages pending, says so 
   t.equal(errors.length, 1, 'one error logged, not one per message');
   t.match(errors[0]?.msg, /SECRET_ENCRYPTION_KEY is not set/);
   t.equal(receiver.deliveries.length, 0);
+});
+
+t.test('a worker without the key an endpoint\'s secret was stored with spends none of its retries: the event waits, later each time, for a worker that has it', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  receiver.secrets = [endpoint.secret];
+  const webhooks = { retryScheduleMs: [100] };
+  // Mid-rotation: this worker has a key, but not the one the endpoint's secret is encrypted with.
+  const keyless = testDeliverer(t, gateway, { webhooks, secretEncryptionKey: randomBytes(32) });
+  await endRequest(gateway, key, 'completed');
+  const [message] = await messagesOf(gateway.db);
+
+  const delays: number[] = [];
+  for (let round = 1; round <= 3; round++) {
+    t.same(await keyless.runDueJobs(), ['started'], `round ${round}: claimed`);
+    await until(async () => (await messagesOf(gateway.db))[0]!.status !== 'delivering', `round ${round}: the try ended`);
+    const [after] = await messagesOf(gateway.db);
+    t.match(after, { status: 'pending', tries: round, failures: 0 }, `round ${round}: pending still, no retry spent`);
+    const [job] = await deliveryJobs(gateway.db);
+    t.equal(job?.run_at.getTime(), after!.next_try_at!.getTime(), `round ${round}: its job is due when it is`);
+    delays.push(after!.next_try_at!.getTime() - Date.now());
+    // (its wait cut short, so that the test goes on)
+    await gateway.pool.query(`update gateway.webhook_messages set next_try_at = now() where id = $1`, [message!.id]);
+    await gateway.pool.query(`update graphile_worker._private_jobs set run_at = now()`);
+  }
+  t.ok(delays[0]! > 30_000, `deferred well beyond the schedule's 100 ms (${delays[0]} ms)`);
+  t.ok(delays[1]! > delays[0]! && delays[2]! > delays[1]!, `later each time (${delays.join(', ')} ms)`);
+  t.equal(receiver.deliveries.length, 0, 'nothing reached the receiver');
+  t.match(await triesOf(gateway.db, message!.id), [
+    { try_number: 1, outcome: 'failed', http_status: null, error: /secret could not be decrypted/ },
+    { try_number: 2, outcome: 'failed' },
+    { try_number: 3, outcome: 'failed' },
+  ]);
+  const errors = keyless.logs.filter((line) => line.level === 'error');
+  t.equal(errors.length, 3, 'an error logged for each such try');
+  t.ok(errors.every((line) => line.endpointId === endpoint.id), 'naming the endpoint');
+  const secretBody = endpoint.secret.slice('whsec_'.length);
+  t.notOk(keyless.logs.some((line) => JSON.stringify(line).includes(secretBody)), 'never its secret');
+
+  // A worker with the key delivers it.
+  const keyed = testDeliverer(t, gateway, { webhooks });
+  t.same(await keyed.runDueJobs(), ['started']);
+  await until(async () => (await messagesOf(gateway.db))[0]!.status === 'delivered', 'delivered by a worker with the key');
+  t.equal(receiver.deliveries.length, 1);
+  t.same(receiver.deliveries[0]?.verifiedWith, [0]);
 });
 
 t.test('a job whose message is gone, finished or not due does nothing; removing an endpoint removes its messages', async (t) => {
