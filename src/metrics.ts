@@ -145,7 +145,7 @@ export class Metrics {
 
   readonly webhookDeferrals = new client.Counter({
     name: `${PREFIX}webhook_deferrals_total`,
-    help: 'Webhook tries not started when due, by reason: endpoint_busy (WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT), worker_busy (WEBHOOK_MAX_IN_FLIGHT), endpoint_backing_off (it timed out). They wait for their endpoint\'s wake; none costs a retry.',
+    help: 'Webhook tries not started when due, by reason: endpoint_busy (WEBHOOK_MAX_IN_FLIGHT_PER_ENDPOINT), worker_busy (WEBHOOK_MAX_IN_FLIGHT), endpoint_backing_off (it timed out, or its retry-after pauses it). They wait for their endpoint\'s wake; none costs a retry.',
     labelNames: ['reason'] as const,
     registers: [this.registry],
   });

@@ -829,7 +829,7 @@ export interface WebhookEndpoints {
    */
   id: string;
   /**
-   * While it backs off: no try starts on it before then (the end of the wait, or of the one probe under way).
+   * No try starts on it before then: while it backs off, the end of the wait (or of the one probe under way); otherwise, the end of the retry-after it last sent with a 429 or 503.
    */
   paused_until: Timestamp | null;
   /**

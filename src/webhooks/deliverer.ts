@@ -4,7 +4,8 @@
 // do (worker/dispatcher.ts). The try POSTs the event, signed as Standard Webhooks says, and its
 // end is recorded in one statement: delivered on a 2xx; a 410 disables the endpoint; anything
 // else, or no complete answer within WEBHOOK_TIMEOUT_MS, is retried after the next wait of
-// WEBHOOK_RETRY_SCHEDULE, until the schedule is spent.
+// WEBHOOK_RETRY_SCHEDULE, until the schedule is spent. A 429 or 503's retry-after delays that
+// retry, and pauses the endpoint for every worker: none of its messages is claimed before then.
 //
 // One endpoint cannot take the room of the others:
 // - a process has up to WEBHOOK_MAX_IN_FLIGHT tries in flight, and up to
@@ -12,11 +13,12 @@
 // - an endpoint that leaves a try unanswered until the timeout backs off, for every worker (its
 //   row: sql/000014.sql): no try starts on it for ENDPOINT_BACKOFF.minMs, then one at a time (a
 //   probe), the wait doubling after each probe left unanswered; any other end of a try ends it.
-// A message that finds no room or its endpoint backing off is not claimed, so it keeps its tries
-// (its retry schedule is untouched): it waits, pending and due, and its job ends. Its endpoint's
-// one wake_webhook_endpoint job (scheduleWake) then claims the endpoint's waiting messages, oldest
-// first, as room allows, and is added again while some still wait: when the backoff's wait ends,
-// or after a wait doubling each time it finds no room (wakeDelay); being a job, it outlives the
+// A message that finds no room or its endpoint backing off (or paused by a retry-after) is not
+// claimed, so it keeps its tries (its retry schedule is untouched): it waits, pending and due,
+// and its job ends. Its endpoint's one wake_webhook_endpoint job (scheduleWake) then claims the
+// endpoint's waiting messages, oldest first, as room allows, and is added again while some still
+// wait: when the backoff's wait (or the pause) ends, or after a wait doubling each time it finds
+// no room (wakeDelay); being a job, it outlives the
 // worker that added it. Room made here is taken at once: a try ending here claims its endpoint's
 // waiting messages, then those of endpoints that waited for this process's room (#pull).
 //
@@ -157,6 +159,8 @@ type Answer =
       httpStatus: number | null;
       error: string;
       retryAfterMs?: number | undefined;
+      /** A 429 or 503: its retry-after, if any, holds back the endpoint's other messages too. */
+      pausesEndpoint?: boolean;
       /**
        * A failure of ours, not the endpoint's (our shutdown cut the try short, or we could not
        * sign it): it spends no retry, and the try is made again in this long.
@@ -577,6 +581,9 @@ export class WebhookDeliverer {
       end.spendsRetry = answer.oursRetryInMs === undefined;
       end.retryInMs =
         answer.oursRetryInMs ?? nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.failures + 1, answer.retryAfterMs);
+      // The endpoint asked for a pause, not this message alone: its other messages would meet
+      // the same refusal, each spending a retry.
+      if (answer.pausesEndpoint && answer.retryAfterMs !== undefined) end.pauseMs = Math.min(answer.retryAfterMs, MAX_RETRY_WAIT_MS);
     }
     const context = { messageId: message.id, endpointId: message.endpoint_id, try: message.tries, httpStatus: answer.httpStatus, durationMs, probe };
     try {
@@ -664,6 +671,7 @@ export class WebhookDeliverer {
       httpStatus: status,
       error: `HTTP ${status}`,
       retryAfterMs: parseRetryAfter((Array.isArray(retryAfter) ? retryAfter[0] : retryAfter) ?? null),
+      pausesEndpoint: status === 429 || status === 503,
       timedOut: false,
     };
   }

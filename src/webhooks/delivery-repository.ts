@@ -35,7 +35,7 @@ export type Claim =
   | { kind: 'claimed'; message: ClaimedMessage; probe: boolean }
   /** Its endpoint was disabled (410): nothing is sent. */
   | { kind: 'abandoned' }
-  /** Its endpoint backs off, and no try may start on it now: the message waits. */
+  /** Its endpoint backs off, or its retry-after holds it, and no try may start on it now: the message waits. */
   | { kind: 'paused' }
   /** Not pending or not due: delivered, given up, under way elsewhere, or removed with its endpoint. */
   | { kind: 'nothing' };
@@ -48,10 +48,11 @@ type ClaimedRow = Pick<Selectable<WebhookMessagesTable>, 'id' | 'status' | 'endp
 
 /**
  * The tail of a claim, after the CTEs `target` (the messages to claim: their id and endpoint_id,
- * locked), `endpoint` (their one endpoint's row as the claim read it) and `probe`: the messages
- * become delivering, tries + 1, with a running row in webhook_deliveries for the try (abandoned
- * instead when the endpoint is disabled), if the endpoint is disabled, does not back off, or this
- * claim is its probe. The CTE `claimed_rows` returns them with their requests.
+ * locked), `endpoint` (their one endpoint's row as the claim read it, with `paused`: whether it
+ * backs off or a retry-after holds it now) and `probe`: the messages become delivering, tries + 1,
+ * with a running row in webhook_deliveries for the try (abandoned instead when the endpoint is
+ * disabled), if the endpoint is disabled, is not paused, or this claim is its probe. The CTE
+ * `claimed_rows` returns them with their requests.
  */
 function claimTargets(workerId: RawBuilder<unknown>): RawBuilder<unknown> {
   return sql`
@@ -64,7 +65,7 @@ function claimTargets(workerId: RawBuilder<unknown>): RawBuilder<unknown> {
           finished_at = case when endpoints.disabled_at is null then null else now() end
       from target, endpoint, gateway.webhook_endpoints as endpoints
       where messages.id = target.id and endpoint.id = target.endpoint_id and endpoints.id = target.endpoint_id
-        and (endpoint.disabled_at is not null or endpoint.backoff_ms is null or exists (select from probe))
+        and (endpoint.disabled_at is not null or not endpoint.paused or exists (select from probe))
       returning messages.id, messages.status, messages.endpoint_id, messages.request_id, messages.event_type,
                 messages.created_at, messages.tries, messages.failures, endpoints.url, endpoints.secret_ciphertext,
                 case when endpoints.previous_secret_expires_at > now() then endpoints.previous_secret_ciphertext end
@@ -100,6 +101,12 @@ function probeEndpoint(probeMs: RawBuilder<unknown>): RawBuilder<unknown> {
     )`;
 }
 
+/**
+ * Whether a claim finds the endpoint (`endpoints`) paused: backing off (only its probe may start,
+ * once its wait is over), or held by the retry-after of its 429 or 503 until paused_until.
+ */
+const endpointPaused = sql`(endpoints.backoff_ms is not null or coalesce(endpoints.paused_until > now(), false))`;
+
 function claimedMessage(row: ClaimedRow): ClaimedMessage {
   return {
     id: row.id,
@@ -132,7 +139,7 @@ const claimMessageStatement = statement(
       where messages.id = ${v.message_id} and messages.status = 'pending' and messages.next_try_at <= now()
       for update of messages skip locked
     ), endpoint as (
-      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
+      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms, ${endpointPaused} as paused
       from gateway.webhook_endpoints as endpoints
       join target on target.endpoint_id = endpoints.id
     ), ${probeEndpoint(v.probe_ms)}, ${claimTargets(v.worker_id)}
@@ -163,8 +170,9 @@ export interface DueClaim {
   /** Messages abandoned (the endpoint is disabled). */
   abandoned: number;
   /**
-   * The endpoint backs off and some of its messages were due: the claim took its probe, or none
-   * could start (the others wait for the probe's end, or the backoff's).
+   * The endpoint backs off, or its retry-after holds it, and some of its messages were due: the
+   * claim took its probe, or none could start (the others wait for the probe's end, the backoff's,
+   * or the retry-after's).
    */
   backingOff: boolean;
 }
@@ -173,7 +181,7 @@ const claimDueStatement = statement(
   ['endpoint_id', 'worker_id', 'limit', 'probe_ms'] as const,
   (v) => sql<Partial<ClaimedRow> & { backing_off: boolean; probe: boolean }>`
     with endpoint as (
-      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms
+      select endpoints.id, endpoints.disabled_at, endpoints.backoff_ms, ${endpointPaused} as paused
       from gateway.webhook_endpoints as endpoints
       where endpoints.id = ${v.endpoint_id}
     ), target as (
@@ -181,14 +189,14 @@ const claimDueStatement = statement(
       from gateway.webhook_messages as messages
       where messages.endpoint_id = ${v.endpoint_id} and messages.status = 'pending' and messages.next_try_at <= now()
       order by messages.next_try_at, messages.id
-      -- (backing off: the one that may be its probe)
-      limit (select case when endpoint.backoff_ms is null or endpoint.disabled_at is not null then ${v.limit}::int else 1 end
+      -- (paused: the one that may be its probe)
+      limit (select case when not endpoint.paused or endpoint.disabled_at is not null then ${v.limit}::int else 1 end
              from endpoint)
       for update of messages skip locked
     ), ${probeEndpoint(v.probe_ms)}, ${claimTargets(v.worker_id)}
     select claimed_rows.*, exists (select from probe) as probe,
            exists (select from target)
-             and exists (select from endpoint where endpoint.disabled_at is null and endpoint.backoff_ms is not null) as backing_off
+             and exists (select from endpoint where endpoint.disabled_at is null and endpoint.paused) as backing_off
     from (select 1) as one
     left join claimed_rows on true
   `,
@@ -286,6 +294,8 @@ export interface TryEnd {
    * it ended otherwise (its backoff ends); undefined, nothing (our shutdown cut it short, or our bug).
    */
   timedOut: boolean | undefined;
+  /** The retry-after of a 429 or 503: no try starts on the endpoint, for any message, for this long. */
+  pauseMs?: number | undefined;
 }
 
 /** The waits of an endpoint that backs off: the first, and the longest (each doubles the one before). */
@@ -301,7 +311,7 @@ const nextBackoff = (v: Record<'backoff_min_ms' | 'backoff_max_ms', RawBuilder<u
 const finishTryStatement = statement(
   [
     'outcome', 'http_status', 'error', 'duration_ms', 'message_id', 'try_number', 'gone', 'timed_out', 'backoff_min_ms',
-    'backoff_max_ms', 'endpoint_id', 'retry_in_ms', 'kind', 'retrying', 'spends_retry',
+    'backoff_max_ms', 'endpoint_id', 'retry_in_ms', 'kind', 'retrying', 'spends_retry', 'pause_ms',
   ] as const,
   (v) => sql<{ status: WebhookMessageStatus | null }>`
     with try_row as (
@@ -319,13 +329,20 @@ const finishTryStatement = statement(
                             when ${v.timed_out}::boolean then ${nextBackoff(v)} end,
           timed_out_at = case when ${v.timed_out}::boolean is null then endpoints.timed_out_at
                               when ${v.timed_out}::boolean then now() end,
+          -- (a retry-after's pause, without backoff_ms, is never shortened: a time-out or another retry-after may lengthen it)
           paused_until = case when ${v.timed_out}::boolean is null then endpoints.paused_until
-                              when ${v.timed_out}::boolean then now() + ${nextBackoff(v)} * interval '1 millisecond' end
+                              when ${v.timed_out}::boolean
+                                then greatest(now() + ${nextBackoff(v)} * interval '1 millisecond',
+                                              case when endpoints.backoff_ms is null then endpoints.paused_until end)
+                              when ${v.pause_ms}::float8 is not null
+                                then greatest(now() + ${v.pause_ms}::float8 * interval '1 millisecond',
+                                              case when endpoints.backoff_ms is null then endpoints.paused_until end)
+                              when endpoints.backoff_ms is null then endpoints.paused_until end
       where endpoints.id = ${v.endpoint_id}
         and (${v.gone}::boolean
              or (${v.timed_out}::boolean and (endpoints.timed_out_at is null
                                            or endpoints.timed_out_at < (select started_at from try_row)))
-             or (not ${v.timed_out}::boolean and endpoints.backoff_ms is not null))
+             or (not ${v.timed_out}::boolean and (endpoints.backoff_ms is not null or ${v.pause_ms}::float8 is not null)))
       returning endpoints.id
     ), disabled as (
       select endpoint.id from endpoint where ${v.gone}::boolean
@@ -381,7 +398,9 @@ const finishTryStatement = statement(
  * The endpoint: a try with no answer in time makes it back off (paused for the first wait of
  * `backoff`), or, if it was already backing off when the try started (the try was its probe),
  * doubles its wait; tries that started before the last time-out and time out too change nothing.
- * A try that ended otherwise ends its backoff.
+ * A try that ended otherwise ends its backoff. A 429 or 503 with retry-after (`pauseMs`) pauses
+ * it for that long (paused_until, without backoff_ms): no claim takes its messages before then.
+ * Neither shortens such a pause: only its time ends it.
  */
 export async function finishTry(db: Db, end: TryEnd, backoff: EndpointBackoff): Promise<WebhookMessageStatus | undefined> {
   const { rows } = await finishTryStatement.execute(db, {
@@ -400,6 +419,7 @@ export async function finishTry(db: Db, end: TryEnd, backoff: EndpointBackoff): 
     kind: end.kind,
     retrying: end.kind === 'failed' && end.retryInMs !== undefined,
     spends_retry: end.kind === 'failed' && (end.spendsRetry ?? true),
+    pause_ms: end.pauseMs ?? null,
   });
   return rows[0]?.status ?? undefined;
 }

@@ -6,8 +6,8 @@
 import { randomBytes } from 'node:crypto';
 import { sql } from 'kysely';
 import t from 'tap';
-import { claimMessage } from '../../src/webhooks/delivery-repository.ts';
-import { eventBody, MAX_RETRY_WAIT_MS, nextTryDelay, wakeDelay } from '../../src/webhooks/deliverer.ts';
+import { claimMessage, finishTry } from '../../src/webhooks/delivery-repository.ts';
+import { ENDPOINT_BACKOFF, eventBody, MAX_RETRY_WAIT_MS, nextTryDelay, wakeDelay } from '../../src/webhooks/deliverer.ts';
 import { removeEndpoint, rotateSecret } from '../../src/webhooks/endpoints.ts';
 import { oldestUnfinishedMessageAge } from '../../src/webhooks/repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
@@ -166,6 +166,64 @@ t.test('a failing endpoint is retried on the schedule until it answers 2xx; retr
   t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="failed"}'), 3);
   t.equal(await metricValue(metrics, 'gateway_webhook_deliveries_total{outcome="succeeded"}'), 1);
   t.same(await deliveryJobs(gateway.db), [], 'no job is left');
+});
+
+t.test('a 429 or 503 with retry-after holds back the endpoint\'s other events too, for every worker, spending none of their retries', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const retryAfterMs = 2_000;
+  const { runDueJobs } = testDeliverer(t, gateway);
+  for (const status of [429, 503]) {
+    const key = await gateway.createKey({ project: `refusing-${status}` });
+    // It refuses the first delivery, asking for 2 s; it would take any other.
+    const receiver = await startReceiver(t, (delivery) =>
+      delivery.count === 1 ? { status, headers: { 'retry-after': String(retryAfterMs / 1000) } } : { status: 204 },
+    );
+    const endpoint = await addTestEndpoint(gateway, { project: `refusing-${status}`, url: receiver.url });
+    const refused = await endRequest(gateway, key, 'completed');
+    // Another worker's try of the endpoint, under way when the refusal comes.
+    const elsewhere = (await messagesOf(gateway.db, await endRequest(gateway, key, 'cancelled')))[0]!;
+    const claim = await claimMessage(gateway.db, elsewhere.id, 'worker-other', 3_000);
+    t.same(await runDueJobs(), ['started', 'nothing'], `${status}: the first event is tried`);
+    await until(async () => (await messagesOf(gateway.db, refused))[0]!.status !== 'delivering', `${status}: the refused try ended`);
+    t.match(await messagesOf(gateway.db, refused), [{ status: 'pending', failures: 1 }], `${status}: the refused event waits its retry`);
+    const pausedUntil = async () =>
+      (await gateway.pool.query('select backoff_ms, paused_until from gateway.webhook_endpoints where id = $1', [endpoint.id])).rows[0];
+    const pause = await pausedUntil();
+    t.equal(pause.backoff_ms, null, `${status}: not a backoff`);
+    t.ok(pause.paused_until.getTime() >= receiver.deliveries[0]!.receivedAt + retryAfterMs - 50, `${status}: the endpoint is paused for its retry-after`);
+    // That try's answer, a 2xx, does not end the pause.
+    if (claim.kind !== 'claimed') throw new Error(`claimed: ${claim.kind}`);
+    const end = { messageId: elsewhere.id, endpointId: endpoint.id, tryNumber: 1, kind: 'delivered', httpStatus: 204, error: null, durationMs: 1, timedOut: false } as const;
+    t.equal(await finishTry(gateway.db, end, ENDPOINT_BACKOFF), 'delivered');
+    t.same(await pausedUntil(), pause, `${status}: a 2xx meanwhile leaves the pause as it was`);
+
+    // Two more events of the endpoint, due at once, meanwhile.
+    const others = [await endRequest(gateway, key, 'completed'), await endRequest(gateway, key, 'failed')];
+    t.same(await runDueJobs(), ['deferred', 'deferred'], `${status}: the endpoint's other events are not tried during its retry-after`);
+    for (const other of others) {
+      t.match(await messagesOf(gateway.db, other), [{ status: 'pending', tries: 0, failures: 0 }], `${status}: waiting, no try spent`);
+    }
+    t.equal(receiver.deliveries.length, 1, `${status}: the receiver got only the refused try`);
+    const [wake] = (await wakeJobs(gateway.db)).filter((job) => job.endpoint_id === endpoint.id);
+    t.ok(wake && wake.run_at.getTime() >= receiver.deliveries[0]!.receivedAt + retryAfterMs - 50, `${status}: their endpoint's wake is due once its retry-after is over`);
+
+    await until(
+      async () => {
+        await runDueJobs();
+        return (await messagesOf(gateway.db)).filter((message) => message.endpoint_id === endpoint.id).every((m) => m.status === 'delivered');
+      },
+      `${status}: all delivered`,
+      10_000,
+    );
+    t.equal(receiver.deliveries.length, 4, `${status}: the refused event twice, the others once each`);
+    for (const delivery of receiver.deliveries.slice(1)) {
+      t.ok(
+        delivery.receivedAt >= receiver.deliveries[0]!.receivedAt + retryAfterMs - 50,
+        `${status}: delivery ${delivery.count} came ${delivery.receivedAt - receiver.deliveries[0]!.receivedAt} ms after the refusal (retry-after: ${retryAfterMs} ms)`,
+      );
+    }
+    for (const other of others) t.match(await messagesOf(gateway.db, other), [{ tries: 1, failures: 0 }], `${status}: delivered at its first try`);
+  }
 });
 
 t.test('once the schedule is spent, the message fails', async (t) => {
