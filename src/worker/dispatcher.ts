@@ -4,9 +4,10 @@
 // statement), and starts their upstream calls here. A call in flight holds a socket, a timer and
 // a few objects: no database connection and no graphile-worker slot, so a worker process keeps
 // thousands in flight, up to MAX_IN_FLIGHT live and TEST_MAX_IN_FLIGHT test calls, each mode in
-// capacity of its own. With more than one upstream, no one upstream holds more than
-// UPSTREAM_SHARE of the live capacity: an upstream that takes calls and never answers fills that
-// much until its timeouts, and the other upstreams' queues still find room (upstreamBound).
+// capacity of its own. With more than one upstream, each keeps a reserve of the live capacity
+// that the others' calls leave free: upstreams that take calls and never answer, however many,
+// fill the rest until their timeouts, and the other upstreams' queues still find room
+// (upstreamReserve).
 //
 // What dispatches a queue:
 // - its dispatch_queue jobs (jobs.ts): added with accepted requests, with retries, when a lane
@@ -107,16 +108,26 @@ const ENDED_POLL_MS = 1_000;
 export const OWN_DISPATCH_FALLBACK_MS = 2_000;
 /** Routes of queues remembered at most (the least recently dispatched are read again when next needed). */
 export const QUEUE_ROUTES_REMEMBERED = 10_000;
-/** The share of a process's live capacity that one upstream may hold when the process has several. */
+/**
+ * The share of a process's live capacity that one upstream may take when the process has
+ * several and the others have no calls: the rest is the others' reserves (upstreamReserve).
+ */
 export const UPSTREAM_SHARE = 0.9;
 
 /**
- * The live calls that one upstream may hold in a process (in flight, and room reserved for
- * claims): all of `capacity` with a single upstream, else UPSTREAM_SHARE of it (one call at
- * least), which leaves room for the other upstreams however long one's calls take to end.
+ * The live calls kept within reach of each upstream of a process (its reserve): none with a
+ * single upstream, else the capacity beyond UPSTREAM_SHARE split between all upstreams but one
+ * (one call each at least, and no more than an even split of the whole capacity). An upstream's
+ * calls (in flight, and room its claims are starting) count toward its reserve, and what it
+ * lacks of it is kept free: the calls of any one upstream take only the room the others' reserves
+ * leave. So an upstream alone takes all of the capacity but the others' reserves (UPSTREAM_SHARE
+ * of it), and upstreams that take calls and never answer, however many of them, leave every other
+ * upstream its reserve until their calls time out.
  */
-export function upstreamBound(capacity: number, upstreams: number): number {
-  return upstreams <= 1 ? capacity : Math.max(1, Math.floor(capacity * UPSTREAM_SHARE));
+export function upstreamReserve(capacity: number, upstreams: number): number {
+  if (upstreams <= 1) return 0;
+  const beyondShare = capacity - Math.floor(capacity * UPSTREAM_SHARE);
+  return Math.min(Math.floor(capacity / upstreams), Math.max(1, Math.floor(beyondShare / (upstreams - 1))));
 }
 
 /** A lane of a queue's deployments: where its calls go, and its limits. */
@@ -158,14 +169,16 @@ export class Dispatcher {
   /** Queues whose last dispatch stopped for this process's capacity, by mode. */
   readonly #waitingForCapacity: Record<KeyMode, Set<QueueSlot>> = { live: new Set(), test: new Set() };
   readonly #inFlight: Record<KeyMode, number> = { live: 0, test: 0 };
-  /** Live calls one upstream may hold here (upstreamBound). */
-  readonly #upstreamBound: number;
+  /** Live calls kept within reach of each upstream here (upstreamReserve). */
+  readonly #upstreamReserve: number;
   /**
    * Live calls in flight and room reserved for claims, by upstream name. A claim reserves its
-   * room on each upstream of its queue's deployments (it may start them all on any one), and
-   * keeps it for the calls it started, on theirs, until they end.
+   * room on the upstream of its queue's deployments whose reserve it may take (#room), and keeps
+   * it for the calls it started, on theirs, until they end.
    */
   readonly #upstreamHeld = new Map<string, number>();
+  /** What the upstreams lack of their reserves, all together: the live room kept free for them. */
+  #upstreamShortfall: number;
   /**
    * Room promised to claims under way, by mode: from before a claim until each call it started
    * is in flight. Dispatches of several queues run at once; without this, each would count the
@@ -201,7 +214,9 @@ export class Dispatcher {
     this.#options = options;
     this.#log = options.logger.child({ component: 'dispatcher' });
     this.#routes = new LRUCache({ max: options.routesRemembered ?? QUEUE_ROUTES_REMEMBERED });
-    this.#upstreamBound = upstreamBound(options.capacity.live, new Set(options.upstreams.map((upstream) => upstream.name)).size);
+    const upstreams = new Set(options.upstreams.map((upstream) => upstream.name)).size;
+    this.#upstreamReserve = upstreamReserve(options.capacity.live, upstreams);
+    this.#upstreamShortfall = upstreams * this.#upstreamReserve;
   }
 
   /** What this process keeps per queue: slots (dispatches under way or waiting) and routes remembered. */
@@ -422,14 +437,15 @@ export class Dispatcher {
     const { mode } = route;
     let reserved = max;
     this.#reserved[mode] += reserved;
-    for (const upstream of route.upstreams) this.#hold(upstream, max);
+    const holding = this.#leastLacking(route.upstreams);
+    this.#hold(holding, max);
     // The calls started and not yet in flight, each holding room on its upstream.
     let pending: StartedAttempt[] | undefined;
     try {
       const claim = await this.#db(() => claimQueue(this.#options.db, queue.id, max, this.workerId, route.deployments));
       pending = claim.started;
       for (const started of claim.started) this.#hold(route.lanes.get(started.laneId)!.target.upstream?.name, 1);
-      for (const upstream of route.upstreams) this.#hold(upstream, -max);
+      this.#hold(holding, -max);
       this.#release(mode, reserved - claim.started.length, route.upstreams.length > 1);
       reserved = claim.started.length;
       for (const [index, started] of claim.started.entries()) {
@@ -444,7 +460,7 @@ export class Dispatcher {
       return claim;
     } finally {
       if (pending === undefined) {
-        for (const upstream of route.upstreams) this.#hold(upstream, -max);
+        this.#hold(holding, -max);
       } else {
         for (const started of pending.slice(pending.length - reserved)) this.#hold(route.lanes.get(started.laneId)!.target.upstream?.name, -1);
       }
@@ -454,18 +470,45 @@ export class Dispatcher {
 
   /**
    * Room for calls of a queue of this mode whose deployments are on these upstreams: the
-   * process's, and on each upstream (a claim may start all its calls on any one of them).
+   * process's, less the live room kept for the upstreams' reserves (upstreamReserve), but the
+   * reserve of the queue's own upstream, or of the one of its upstreams lacking least of it when
+   * it has several (#leastLacking): its claim may start all its calls on any one of them, and
+   * wherever they start, they fill that much of their upstream's reserve. The claim holds its room
+   * on that upstream until its calls start (a claim of another queue on it does not take the same
+   * reserve twice). Two claims at once may still fill one reserve twice, when their queues share
+   * an upstream and one of them started its calls on an upstream whose reserve it did not hold:
+   * a reserve is short by that much until those calls end.
    */
   #room(mode: KeyMode, upstreams: readonly string[]): number {
-    let room = this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode];
-    for (const upstream of upstreams) room = Math.min(room, this.#upstreamBound - (this.#upstreamHeld.get(upstream) ?? 0));
-    return room;
+    const room = this.#options.capacity[mode] - this.#inFlight[mode] - this.#reserved[mode];
+    if (mode !== 'live') return room;
+    const own = this.#leastLacking(upstreams);
+    return room - this.#upstreamShortfall + (own === undefined ? 0 : this.#lacking(own));
+  }
+
+  /** What the upstream lacks of its reserve. */
+  #lacking(upstream: string): number {
+    return this.#lack(this.#upstreamHeld.get(upstream) ?? 0);
+  }
+
+  /** What an upstream holding `held` calls lacks of its reserve. */
+  #lack(held: number): number {
+    return Math.max(0, this.#upstreamReserve - held);
+  }
+
+  /** Of these upstreams, the one lacking least of its reserve (the first of those when several do); none of none. */
+  #leastLacking(upstreams: readonly string[]): string | undefined {
+    let least: string | undefined;
+    for (const upstream of upstreams) if (least === undefined || this.#lacking(upstream) < this.#lacking(least)) least = upstream;
+    return least;
   }
 
   /** Counts `count` more calls (or room reserved) held on the upstream (none for the simulator). */
   #hold(upstream: string | undefined, count: number): void {
     if (upstream === undefined || count === 0) return;
-    const held = (this.#upstreamHeld.get(upstream) ?? 0) + count;
+    const before = this.#upstreamHeld.get(upstream) ?? 0;
+    const held = before + count;
+    this.#upstreamShortfall += this.#lack(held) - this.#lack(before);
     if (held === 0) this.#upstreamHeld.delete(upstream);
     else this.#upstreamHeld.set(upstream, held);
   }

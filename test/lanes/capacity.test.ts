@@ -1,13 +1,13 @@
 // A worker process's in-flight capacity: MAX_IN_FLIGHT live calls at most (the rest wait in
-// their lane, charged nothing), 90 % of them for one upstream when there are several, and
-// test-mode calls in capacity of their own, so that test traffic at full load leaves live
-// latency as it was.
+// their lane, charged nothing), 90 % of them for one upstream when there are several (the rest
+// is the others' reserves), and test-mode calls in capacity of their own, so that test traffic
+// at full load leaves live latency as it was.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { completionAfter, startFakeUpstream } from '../helpers/upstream.ts';
 import { until } from '../helpers/wait.ts';
-import { upstreamBound } from '../../src/worker/dispatcher.ts';
+import { upstreamReserve } from '../../src/worker/dispatcher.ts';
 import { writeUpstreamsFile } from '../outages/support.ts';
 
 t.test('MAX_IN_FLIGHT caps the calls a worker has under way; the others wait, charged nothing', async (t) => {
@@ -44,9 +44,11 @@ t.test('MAX_IN_FLIGHT holds while many lanes are dispatched at once: their claim
 });
 
 t.test('with two upstreams, one holds at most 90 % of MAX_IN_FLIGHT; with one, all of it', async (t) => {
-  t.equal(upstreamBound(13_107, 1), 13_107, 'a single upstream: the whole capacity');
-  t.equal(upstreamBound(13_107, 2), 11_796, 'several: 90 % of it');
-  t.equal(upstreamBound(1, 3), 1, 'one call at least');
+  t.equal(upstreamReserve(13_107, 1), 0, 'a single upstream: no reserve, the whole capacity is its');
+  t.equal(upstreamReserve(13_107, 2), 1_311, 'two: the other\'s reserve is the 10 % beyond 90 % (11,796 calls)');
+  t.equal(upstreamReserve(13_107, 3), 655, 'three: those 10 % split between the two others');
+  t.equal(upstreamReserve(10, 3), 1, 'one call each at least');
+  t.equal(upstreamReserve(10, 20), 0, 'and none when the capacity has not one for each upstream');
 
   const busy = await startFakeUpstream(t, completionAfter(300));
   const other = await startFakeUpstream(t, completionAfter(0));
