@@ -12,6 +12,12 @@
 // Webhook messages alike: those that wait for room or for their endpoint's backoff have their
 // endpoint's one wake job (webhooks/deliverer.ts), a job that the same late end can delete. An
 // endpoint with messages due and nothing to deliver them gets its wake job again.
+//
+// A job that failed (a database that refused statements for minutes fails the jobs run meanwhile)
+// waits out graphile-worker's backoff, which reaches hours after a few failures. One that has
+// waited so for a period, and will for another, does not count as serving its queue or endpoint:
+// the rescue makes it due now (rescue-repository.ts, stalled), so that the work accepted before
+// an outage is done once it ends, and a job that fails every time runs about once a period.
 import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
