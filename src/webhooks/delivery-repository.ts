@@ -222,8 +222,11 @@ export async function claimDue(db: Db, endpointId: string, workerId: string, lim
  * Makes sure the endpoint's wake_webhook_endpoint job will run, if some of its messages wait
  * (pending and due; with `messageId`, if that one does): due in `delayMs`, and not before the
  * endpoint's backoff lets a try start. A job already waiting to run is left as it is, unless
- * `advance` and it is due later than that. (A job under way is not counted: it may have looked
- * before this message began to wait.) Returns whether messages wait.
+ * it is due later than that and either `advance` or it has failed: a wake waiting out
+ * graphile-worker's backoff (exp(attempts) seconds, hours after a few failures: a database that
+ * refused statements for minutes leaves its jobs so) is replaced by one due when this one is.
+ * (A job under way is not counted: it may have looked before this message began to wait.)
+ * Returns whether messages wait.
  */
 export async function scheduleWake(
   db: Db,
@@ -242,13 +245,14 @@ export async function scheduleWake(
       from gateway.webhook_endpoints as endpoints, waiting
       where endpoints.id = ${wake.endpointId} and endpoints.disabled_at is null and waiting.waiting
     ), scheduled as (
-      select jobs.run_at
+      select jobs.run_at, jobs.attempts
       from graphile_worker.jobs
       where jobs.key = ${key} and jobs.locked_at is null and jobs.attempts < jobs.max_attempts
     ), wake as (
       select due.run_at from due
       where not exists (select from scheduled)
-         or (${wake.advance ?? false}::boolean and exists (select from scheduled where scheduled.run_at > due.run_at))
+         or exists (select from scheduled
+                    where scheduled.run_at > due.run_at and (${wake.advance ?? false}::boolean or scheduled.attempts > 0))
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(

@@ -1,9 +1,11 @@
 // Jobs that failed and wait out graphile-worker's backoff (exp(attempts) seconds: 2.5 minutes
 // after 5 failures, hours after 9), as a database that refused statements for minutes leaves
 // them: the queue or the endpoint they were for does not wait for them once the database is back.
-// The rescue (worker/rescue.ts) runs such a job again, at most about once per WORKER_DEAD_AFTER_MS.
+// The rescue (worker/rescue.ts) runs such a job again, at most about once per WORKER_DEAD_AFTER_MS,
+// and a message parked for its endpoint's wake (scheduleWake) brings a stalled wake forward.
 // The failures are written into graphile-worker's table, as they would be left.
 import t from 'tap';
+import { scheduleWake } from '../../src/webhooks/delivery-repository.ts';
 import { dispatchStranded, wakeStrandedEndpoints } from '../../src/worker/rescue-repository.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
@@ -133,4 +135,28 @@ t.test('a worker delivers a message whose endpoint\'s wake waits out a backoff o
   await until(() => receiver.deliveries.length === 1, 'the message to be delivered', 15_000);
   t.equal(receiver.deliveries[0]!.event?.data.id, requestId, 'its event delivered');
   await until(async () => (await messagesOf(api.db, requestId))[0]!.status === 'delivered', 'the message to be recorded delivered', 10_000);
+});
+
+t.test('a message parked for its endpoint\'s wake brings forward a wake that waits out a backoff of failures', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const url = 'http://127.0.0.1:9/hooks';
+  const [stalled, paused] = await Promise.all([addTestEndpoint(gateway, { url }), addTestEndpoint(gateway, { url })]);
+  // One message for each endpoint, due now, with none of its jobs.
+  const requestId = await endRequest(gateway, await gateway.createKey(), 'completed');
+  const messages = await messagesOf(gateway.db, requestId);
+  await loseJobs(gateway, WEBHOOK_TASKS);
+  // A wake that failed 5 times, the last 2 s ago; a wake that never failed, due in an hour.
+  await gateway.pool.query(`select graphile_worker.add_job('wake_webhook_endpoint', json_build_object('endpoint_id', $1::text, 'deferrals', 0), job_key => 'wake_webhook_endpoint:' || $1)`, [stalled!.id]);
+  await failJobs(gateway, WAKE_JOB_OF, [stalled!.id], 5, 2);
+  await gateway.pool.query(`select graphile_worker.add_job('wake_webhook_endpoint', json_build_object('endpoint_id', $1::text, 'deferrals', 3), run_at => now() + interval '1 hour', job_key => 'wake_webhook_endpoint:' || $1)`, [paused!.id]);
+
+  for (const endpoint of [stalled!, paused!]) {
+    const message = messages.find((row) => row.endpoint_id === endpoint.id)!;
+    t.equal(await scheduleWake(gateway.db, { endpointId: endpoint.id, delayMs: 0, deferrals: 0, messageId: message.id }), true, 'its message waits');
+  }
+  const wakes = await wakeJobs(gateway.db);
+  t.equal(wakes.length, 2, 'one wake per endpoint');
+  const runAt = (endpointId: string) => wakes.find((job) => job.endpoint_id === endpointId)!.run_at.getTime();
+  t.ok(runAt(stalled!.id) <= Date.now() + 1_000, 'the stalled wake is due now');
+  t.ok(runAt(paused!.id) > Date.now() + 30 * 60_000, 'a wake that never failed keeps its time');
 });
