@@ -39,6 +39,20 @@ export interface WorkerDeps {
   deliverer: WebhookDeliverer;
 }
 
+/** Runs of a periodic task at most: one, and two retries of it within some 10 seconds (graphile-worker's backoff). */
+export const PERIODIC_MAX_ATTEMPTS = 3;
+
+/**
+ * The periodic tasks, for graphile-worker's cron. A run that keeps failing is left to the next
+ * period, which does the same work: kept for graphile-worker's 25 attempts, each failing run
+ * would be retried for some four days beside the runs of every later period (hundreds of jobs
+ * of a task failing for a day), and used up, so logged and counted (spent-jobs.ts), only then.
+ */
+export const CRONTAB = [
+  `*/5 * * * * ${CLEANUP_NONCES} ?max=${PERIODIC_MAX_ATTEMPTS}`,
+  `*/10 * * * * ${RETENTION} ?max=${PERIODIC_MAX_ATTEMPTS}`,
+].join('\n');
+
 /** graphile-worker's options for our task list (supervisor.ts runs and restarts it). */
 export function runnerOptions(deps: WorkerDeps): RunnerOptions {
   return {
@@ -60,7 +74,7 @@ export function runnerOptions(deps: WorkerDeps): RunnerOptions {
       },
     },
     logger: graphileLogger(deps.logger),
-    crontab: [`*/5 * * * * ${CLEANUP_NONCES}`, `*/10 * * * * ${RETENTION}`].join('\n'),
+    crontab: CRONTAB,
     taskList: {
       [DISPATCH_QUEUE]: payloadTask(DISPATCH_QUEUE, DispatchQueuePayload, deps.logger, (payload) =>
         deps.dispatcher.dispatch(payload.queue_id),

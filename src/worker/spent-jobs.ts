@@ -1,9 +1,10 @@
 // Spent jobs: a graphile-worker job that throws is run again after a wait that grows each time
-// (exp(attempts) seconds, at most about 6 hours), up to its max_attempts (25: some 4 days), and
-// then kept in graphile-worker's table for good, never run again. Nothing is lost with it: a
-// request's deadline ends it whatever its jobs do (deadlines.ts), and a queue with requests due,
-// or an endpoint with webhook messages due, that only a spent job was for is dispatched or woken
-// by the rescue (rescue.ts), which counts no spent job; a periodic task runs again next period.
+// (exp(attempts) seconds, at most about 6 hours), up to its max_attempts (25: some 4 days; a
+// periodic task's 3, runner.ts), and then kept in graphile-worker's table for good, never run
+// again. Nothing is lost with it: a request's deadline ends it whatever its jobs do
+// (deadlines.ts), and a queue with requests due, or an endpoint with webhook messages due, that
+// only a spent job was for is dispatched or woken by the rescue (rescue.ts), which counts no
+// spent job; a periodic task runs again next period.
 // So each worker process deletes the spent jobs now and then (supervisor.ts), saying which, with
 // their last errors, and counting them by task: the table does not grow with them, and a task
 // that keeps failing shows.

@@ -1,7 +1,9 @@
 // Jobs that used up their attempts ("spent": graphile-worker keeps such a job's row for good, and
 // runs it no more): a worker deletes them, says so in its log and counts them, and what they were
 // for still ends, the rescue (worker/rescue.ts) taking it over.
+import { parseCrontab } from 'graphile-worker';
 import t from 'tap';
+import { CRONTAB } from '../../src/worker/runner.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { send } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
@@ -52,4 +54,10 @@ t.test('a job that used up its attempts is deleted, logged and counted, and its 
   await until(() => receiver.deliveries.length === 1, 'the message to be delivered', 30_000);
   t.equal(receiver.deliveries[0]!.event?.data.id, requestId, 'its event delivered, and verified');
   await until(async () => (await messagesOf(api.db, requestId))[0]!.status === 'delivered', 'the message to be recorded delivered', 10_000);
+});
+
+t.test('a periodic task\'s run is tried 3 times at most: one that keeps failing is used up within seconds, its work left to the next period', async (t) => {
+  const items = parseCrontab(CRONTAB);
+  t.same(items.map((item) => item.task).sort(), ['cleanup_signature_nonces', 'retention'], 'both periodic tasks');
+  for (const item of items) t.equal(item.options.maxAttempts, 3, `${item.task}: its jobs' max_attempts`);
 });
