@@ -20,8 +20,9 @@ const RESCUE_KEY_PREFIX = 'dispatch_rescue:';
  * `afterMs` ago, and waits out graphile-worker's backoff, not due for `afterMs` more. A job that
  * throws runs again exp(attempts) seconds after its failure (its run_at, so its failure was that
  * long before it): 2.5 minutes after 5 failures, hours after 9. A database that refused
- * statements for minutes (a failover, a full disk) leaves the jobs that ran meanwhile so, and the
- * queues and endpoints they were for would wait that long once it is back. A stalled job does
+ * statements for minutes (out of connections, statements timing out) leaves the jobs that ran
+ * meanwhile so, and the queues and endpoints they were for would wait that long once it is
+ * back. A stalled job does
  * not cover its queue or endpoint; the rescue makes it due now instead, its failures still
  * counted. So a job that fails every time is run about once per `afterMs` (and used up after its
  * max_attempts, spent-jobs.ts), not in a loop. A job due later that never failed (a lane paused,
