@@ -80,6 +80,9 @@ export interface FinishSettings {
  * start again together), charges none of them, nor a request retrying alone after such a close: the
  * lane is not otherwise healthy, and a request charged once at each of its reopenings would fail
  * early. In test mode every failure is charged: the simulator fails only as the request asks it to.
+ * Groups that record on one live lane at once decide in turn: the statement locks the group's
+ * lanes before it reads them, so that two failures at an outage's start, recorded side by side,
+ * charge one request, not two.
  *
  * What the lanes learn: a 429 pauses its lane (pauseMs; in live mode only: test mode's one lane
  * is every project's, and its retry waits on its own); a completion corrects the token
@@ -172,6 +175,22 @@ const finishStatement = statement(
   (v) => sql<FinishRow>`
     with input as (
       ${unnestRows(FINISH_COLUMNS, v)}
+    ), lanes_now as (
+      -- The group's live lanes, locked in one order (as lane_rows and gateway.claim_queue lock
+      -- them) and read as they are now, not as the statement's snapshot saw them: of two groups
+      -- recording failures on one lane at once, the second decides whether to charge its own
+      -- after the first's are counted, as it would had it begun after it. (Test mode's lane, the
+      -- simulator's, learns nothing and charges every failure: it is not locked.)
+      select lanes.*
+      from gateway.lanes
+      where lanes.id in (
+        select requests.lane_id
+        from input
+        join gateway.requests on requests.id = input.id and requests.attempts = input.attempt and requests.status = 'processing'
+        where requests.mode = 'live'
+      )
+      order by lanes.id
+      for update
     ), current as (
       -- The requests still running these very attempts, and their lanes as they were before.
       select input.*, requests.mode, requests.charged_attempts, requests.lane_id,
@@ -195,7 +214,7 @@ const finishStatement = statement(
              end as unestimated_tokens
       from input
       join gateway.requests on requests.id = input.id and requests.attempts = input.attempt and requests.status = 'processing'
-      left join gateway.lanes on lanes.id = requests.lane_id
+      left join lanes_now as lanes on lanes.id = requests.lane_id
     ), lane_calls as (
       select lane_id, count(*) filter (where kind = 'completed') as successes, count(*) filter (where lane_failure) as failures
       from current

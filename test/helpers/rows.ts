@@ -74,9 +74,18 @@ export const isTerminal = (row: { status: string }) => row.status === 'completed
 
 /** How many of the API's connections to the test's database wait on a lock now (pg_stat_activity). */
 export async function apiWaitingOnLock(pool: pg.Pool): Promise<number> {
+  return waitingOnLock(pool, 'gateway-api');
+}
+
+/**
+ * How many connections of one role (its application_name: gateway-api, gateway-worker) to the
+ * test's database wait on a lock now (pg_stat_activity).
+ */
+export async function waitingOnLock(pool: pg.Pool, application: string): Promise<number> {
   const { rows } = await pool.query<{ count: string }>(
     `select count(*) from pg_stat_activity
-     where datname = current_database() and application_name = 'gateway-api' and wait_event_type = 'Lock'`,
+     where datname = current_database() and application_name = $1 and wait_event_type = 'Lock'`,
+    [application],
   );
   return Number(rows[0]!.count);
 }

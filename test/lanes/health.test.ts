@@ -8,7 +8,7 @@ import t, { type Test } from 'tap';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, send, userMessage } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
-import { dispatchJobs } from '../helpers/rows.ts';
+import { dispatchJobs, waitingOnLock } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream, type FakeUpstream } from '../helpers/upstream.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { until } from '../helpers/wait.ts';
@@ -219,4 +219,39 @@ t.test('a poison request is charged and fails after MAX_ATTEMPTS, while the lane
   await until(allCompleted(gateway, healthy), 'the others to complete');
   t.same([...lanes], ['healthy'], 'the lane never opened');
   t.notOk(gateway.logs.some((line) => line.includes('lane health changed')));
+});
+
+t.test('two failures of a healthy lane recorded at once, by two statements, charge one request, as one after the other would', async (t) => {
+  // The first two calls are held, each until the test answers it 500; later calls (the retries) hang.
+  const answers: ((reply: { status: number }) => void)[] = [];
+  const upstream = await startFakeUpstream(t, (call) =>
+    call.count <= 2 ? new Promise((resolve) => (answers[call.count - 1] = resolve)) : { hang: true },
+  );
+  const file = await upstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: ['gpt-test'] }]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, MAX_ATTEMPTS: '5', UPSTREAM_TIMEOUT_MS: '60000' } });
+  const key = await gateway.createKey({ mode: 'live' });
+  const ids = await submit(gateway, key, 'gpt-test', 2, 'brownout');
+  await until(() => answers.length === 2 && answers.every(Boolean), 'both calls to reach the provider');
+
+  // The lane's row, locked here: each failure's recording waits for it, in a statement of its
+  // own (the first is under way when the second ends), both begun while the lane had no failure.
+  const locker = await gateway.pool.connect();
+  t.teardown(() => locker.release());
+  await locker.query('begin');
+  await locker.query(`select from gateway.lanes where upstream = 'primary' for update`);
+  answers[0]!({ status: 500 });
+  await until(async () => (await waitingOnLock(gateway.pool, 'gateway-worker')) === 1, 'the first failure\'s recording to wait for the lane');
+  answers[1]!({ status: 500 });
+  await until(async () => (await waitingOnLock(gateway.pool, 'gateway-worker')) === 2, 'the second\'s to wait too');
+  await locker.query('commit');
+
+  const firstAttempts = async () =>
+    (await gateway.pool.query<{ charged: boolean | null }>(
+      `select charged from gateway.request_attempts where request_id = any($1) and attempt_number = 1 and outcome <> 'running'`,
+      [ids],
+    )).rows;
+  await until(async () => (await firstAttempts()).length === 2, 'both failures to be recorded');
+  const charged = (await firstAttempts()).filter((attempt) => attempt.charged).length;
+  t.equal(charged, 1, 'one of the two failures is charged: the second is recorded after the first, which the lane\'s state says');
+  t.match(await laneState(gateway, 'primary'), { health: 'healthy' }, 'the lane stays healthy');
 });
