@@ -371,6 +371,16 @@ const finishStatement = statement(
       where lanes.id = lane_next.lane_id
       returning lanes.id, lanes.queue_id, lanes.upstream, lanes.model, lane_next.old_health, lanes.health, lanes.last_error,
                 lane_next.unestimated_tokens
+    ), queues_now as (
+      -- The queues of the lanes given tokens back, read as they are now (locked to share), not as
+      -- the statement's snapshot saw them: a claim that found such a lane without room, and held
+      -- it while this statement waited for it, wrote when the queue is to be dispatched after the
+      -- snapshot. (A CTE of its own, so that what is asked of the row is asked of it as locked.)
+      select queues.id as queue_id, queues.wake_at
+      from gateway.queues
+      where queues.id in (select queue_id from lanes_taught where unestimated_tokens < 0)
+      order by queues.id
+      for share
     ), due as (
       -- A queue's retries are dispatched in slots of RETRY_SLOT_MS, each when it ends, by one job
       -- keyed by the queue and the slot: a storm of retries (a 429 to each of hundreds of calls a
@@ -387,10 +397,9 @@ const finishStatement = statement(
       -- Tokens given back to a lane (an attempt without a completion, or a usage below its
       -- estimate) whose queue waits for time to give a lane room: its dispatch was set for when
       -- the allowance would have refilled without them, and the requests waiting may fit now.
-      select lanes_taught.queue_id, now(), ${sql.lit(TOKENS_BACK_KEY_PREFIX)} || lanes_taught.queue_id
-      from lanes_taught
-      join gateway.queues on queues.id = lanes_taught.queue_id
-      where lanes_taught.unestimated_tokens < 0 and queues.wake_at > now()
+      select queue_id, now(), ${sql.lit(TOKENS_BACK_KEY_PREFIX)} || queue_id
+      from queues_now
+      where wake_at > now()
     ), queued as (
       select count(*) as jobs
       from graphile_worker.add_jobs(array(

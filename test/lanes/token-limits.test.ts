@@ -1,11 +1,11 @@
 // A lane's tokens_per_minute against large prompts: a prompt larger than a minute of every
 // deployment's tokens is refused at intake, and an attempt that ends without a completion (the
 // provider refused the prompt) gives its estimate back, so the lane does not stay shut for the
-// other requests, whether accepted after it or waiting already.
+// other requests, whether accepted after it, waiting already, or being claimed as it is given back.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
-import { countRows, isTerminal, waitForRow } from '../helpers/rows.ts';
+import { countRows, isTerminal, waitForRow, waitingOnLock } from '../helpers/rows.ts';
 import { completionFor, startFakeUpstream } from '../helpers/upstream.ts';
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { until } from '../helpers/wait.ts';
@@ -96,6 +96,57 @@ t.test('requests waiting on a lane overdrawn by a prompt the provider then refus
   refuse();
   t.match(await waitForRow(gateway.db, large.body.id, isTerminal), { status: 'failed', last_error_code: 'upstream_bad_request' });
   const done = await waitForRow(gateway.db, small.body.id, isTerminal, 60_000);
+  t.equal(done.status, 'completed');
+  t.ok(done.finished_at! < paidBackAt, `the small request completed (${done.finished_at!.toISOString()}) before the overdraw would have been paid back (${paidBackAt.toISOString()})`);
+});
+
+t.test('a refund recorded while a claim that found the lane overdrawn commits still dispatches the request that claim left waiting', async (t) => {
+  let refuse!: () => void;
+  const refused = new Promise<void>((resolve) => (refuse = resolve));
+  const upstream = await startFakeUpstream(t, async (call) => {
+    if (JSON.stringify(call.body).length <= 5_000) return { status: 200, json: completionFor(call.body) };
+    await refused;
+    return { status: 400, json: { error: { message: 'too long' } } };
+  });
+  const file = await upstreamsFile(t, [
+    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 3000 } },
+  ]);
+  // The API and the worker apart: an accepted request is dispatched by its job, due at once, and
+  // by nothing else (no fallback of the accepting process). WORKER_DEAD_AFTER_MS keeps the
+  // rescue of stranded queues out of the way.
+  const env = { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '60000', WORKER_DEAD_AFTER_MS: '60000' };
+  const api = await startTestGateway(t, { role: 'api', env });
+  await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env });
+  const client = clientFor(api.url, await api.createKey({ mode: 'live' }));
+
+  const large = await client.post({ model: 'gpt-limited', messages: prompt(2_000) });
+  t.equal(large.status, 202);
+  await until(() => upstream.calls.length > 0, 'the large prompt to reach the provider', 10_000);
+  // When the lane would have paid back the large prompt's overdraw, at the pace the claim keeps.
+  const { rows: lanes } = await api.pool.query<{ paid_back_at: Date }>(
+    `select refilled_at + (0.001 - token_allowance) / (0.95 * tokens_per_minute / 60.0) * interval '1 second' as paid_back_at
+     from gateway.lanes where upstream = 'limited'`,
+  );
+  const paidBackAt = lanes[0]!.paid_back_at;
+
+  // The queue's row, locked here (as an update does: its requests' inserts still check their
+  // key): the small request's claim, which finds the lane overdrawn,
+  // waits for it to write when the queue is to be dispatched next, holding the lane. The large
+  // prompt's refusal is recorded meanwhile: its statement waits for the lane, and reads the queue
+  // as it was before that claim.
+  const locker = await api.pool.connect();
+  t.teardown(() => locker.release());
+  await locker.query('begin');
+  await locker.query('select from gateway.queues for no key update');
+  const small = await client.post({ model: 'gpt-limited', messages: prompt(10) });
+  t.equal(small.status, 202);
+  await until(async () => (await waitingOnLock(api.pool, 'gateway-worker')) === 1, 'the small request\'s claim to wait for the queue');
+  refuse();
+  await until(async () => (await waitingOnLock(api.pool, 'gateway-worker')) === 2, 'the refusal\'s recording to wait for the lane');
+  await locker.query('commit');
+
+  t.match(await waitForRow(api.db, large.body.id, isTerminal), { status: 'failed', last_error_code: 'upstream_bad_request' });
+  const done = await waitForRow(api.db, small.body.id, isTerminal, 60_000);
   t.equal(done.status, 'completed');
   t.ok(done.finished_at! < paidBackAt, `the small request completed (${done.finished_at!.toISOString()}) before the overdraw would have been paid back (${paidBackAt.toISOString()})`);
 });
