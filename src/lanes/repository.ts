@@ -134,6 +134,11 @@ export interface QueueClaim {
    * process's.
    */
   roomInMs: number | undefined;
+  /**
+   * Lanes the claim opened again because their probe ended without a word (its request was
+   * cancelled, failed for its deadline or lost its worker during the call), each with its last error.
+   */
+  reopened: { laneId: string; lastError: string | null }[];
 }
 
 /** A lane of a queue's deployments, in the order they are preferred, with its limits. */
@@ -165,9 +170,10 @@ const claimStatement = statement(
     probe: boolean | null;
     waiting: boolean | null;
     room_in_ms: number | null;
+    lane_changes: { lane_id: string; last_error: string | null }[] | null;
   }>`
     select request_id, attempt, charged, body, lane_id, probe, waiting,
-           extract(epoch from room_at - now())::float8 * 1000 as room_in_ms
+           extract(epoch from room_at - now())::float8 * 1000 as room_in_ms, lane_changes
     from gateway.claim_queue(${v.queue_id}::bigint, ${v.max}::int, ${v.worker_id}::text, ${v.lane_ids}::bigint[],
                              ${v.max_concurrent}::int[], ${v.requests_per_minute}::int[], ${v.tokens_per_minute}::int[],
                              ${sql.lit(LANE_PACING.pace)}::float8, ${sql.lit(LANE_PACING.burstSeconds)}::float8,
@@ -219,6 +225,7 @@ export async function claimQueue(
     })),
     waiting: summary.waiting ?? false,
     roomInMs: summary.room_in_ms ?? undefined,
+    reopened: (summary.lane_changes ?? []).map((change) => ({ laneId: change.lane_id, lastError: change.last_error })),
   };
 }
 

@@ -444,6 +444,7 @@ export class Dispatcher {
     try {
       const claim = await this.#db(() => claimQueue(this.#options.db, queue.id, max, this.workerId, route.deployments));
       pending = claim.started;
+      for (const reopened of claim.reopened) this.#probeLost(route.lanes.get(reopened.laneId), route.model, reopened.lastError);
       for (const started of claim.started) this.#hold(route.lanes.get(started.laneId)!.target.upstream?.name, 1);
       this.#hold(holding, -max);
       this.#release(mode, reserved - claim.started.length, route.upstreams.length > 1);
@@ -580,6 +581,13 @@ export class Dispatcher {
     const upstream = target.upstream?.name ?? SIMULATOR;
     reportLaneChange({ metrics: this.#options.metrics, log: this.#log }, { laneId, upstream, model, from: 'open', to: 'probing', lastError: null });
     this.#log.debug({ laneId, requestId: started.id, attempt: started.attempt }, 'probe started');
+  }
+
+  /** A probe ended without a word (its request cancelled, failed for its deadline, or its worker lost): the claim opened its lane again. */
+  #probeLost(deployment: Deployment | undefined, model: string, lastError: string | null): void {
+    if (!deployment) return;
+    const upstream = deployment.target.upstream?.name ?? SIMULATOR;
+    reportLaneChange({ metrics: this.#options.metrics, log: this.#log }, { laneId: deployment.laneId, upstream, model, from: 'probing', to: 'open', lastError });
   }
 
   /** The queue's deployments as this worker is configured: their lanes, created on first use. */

@@ -1,6 +1,6 @@
 // A lane's change of health, told to operators: a log line and gateway_lane_health_changes_total,
 // by the process that made it (the statement recording attempts' ends opens and closes lanes; a
-// dispatch starts a probe).
+// dispatch starts a probe, and opens a lane again when its probe ended without a word).
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import type { LaneChange } from './attempts-repository.ts';

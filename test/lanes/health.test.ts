@@ -91,7 +91,7 @@ t.test('a failing provider opens its lane: requests wait uncharged, probes go on
 });
 
 for (const ending of ['cancelled', 'failed for its deadline'] as const) {
-  t.test(`a probe whose request is ${ending} during its call has its lane's queue dispatched: the next probe starts, and the waiting requests complete`, async (t) => {
+  t.test(`a probe whose request is ${ending} during its call has its lane's queue dispatched: the lane opens again, logged and counted, the next probe starts, and the waiting requests complete`, async (t) => {
     // Down: 503 at once. Holding: each call held until the gateway gives it up. Up: completions
     // (a call held before stays held).
     const state = { mode: 'down' as 'down' | 'holding' | 'up', held: 0 };
@@ -106,7 +106,9 @@ for (const ending of ['cancelled', 'failed for its deadline'] as const) {
     const file = await upstreamsFile(t, [{ name: 'primary', base_url: upstream.baseUrl, models: ['gpt-test'] }]);
     // WORKER_DEAD_AFTER_MS of a minute keeps the rescue of stranded queues (worker/rescue.ts) out
     // of the way: the dispatch must come from the probe's end.
-    const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '30000', WORKER_DEAD_AFTER_MS: '60000' } });
+    const gateway = await startTestGateway(t, {
+      env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '30000', WORKER_DEAD_AFTER_MS: '60000', METRICS_PORT: '0' },
+    });
     // The requests that open the lane, one of which is its probe; for the deadline's case, of a
     // key whose requests fail 3 s after their acceptance, their probe among them.
     const first = await gateway.createKey({ mode: 'live', ...(ending === 'cancelled' ? {} : { deadlineMs: 3_000 }) });
@@ -138,6 +140,22 @@ for (const ending of ['cancelled', 'failed for its deadline'] as const) {
     await until(allCompleted(gateway, waiting), 'the waiting requests to complete, after a new probe', 15_000);
     t.pass('the requests waiting for the lane completed');
     t.equal((await laneState(gateway, 'primary')).health, 'healthy', 'the next probe closed the lane');
+
+    // The probe that ended without a word is told as every change of health is: the claim that
+    // finds it ended opens the lane again (logged and counted), before the next probe starts.
+    const changes = gateway.logs.map((line) => JSON.parse(line)).filter((line) => line.msg === 'lane health changed');
+    t.same(
+      changes.slice(-4).map((change) => `${change.from} -> ${change.to}`),
+      ['open -> probing', 'probing -> open', 'open -> probing', 'probing -> healthy'],
+      'the lost probe, then the next one that closed the lane',
+    );
+    t.match(changes.at(-3), { upstream: 'primary', model: 'gpt-test', from: 'probing', to: 'open', reason: /upstream_server_error/ });
+    const metrics = parseMetrics(await (await fetch(`${gateway.metricsUrl}/metrics`)).text());
+    t.equal(
+      metrics.get('gateway_lane_health_changes_total{upstream="primary",health="open"}'),
+      changes.filter((change) => change.to === 'open').length,
+      'each opening logged is counted, the lost probe\'s among them',
+    );
   });
 }
 
