@@ -58,10 +58,10 @@ t.test('a prompt the provider refuses (no usage) gives its estimate back: the ne
   const { rows } = await gateway.pool.query(`select token_allowance from gateway.lanes where upstream = 'limited'`);
   t.ok(rows[0].token_allowance > -100, `the lane's allowance is back near full (${Math.round(rows[0].token_allowance)} tokens), not some 2,000 below`);
 
-  const started = Date.now();
   const small = await client.post({ model: 'gpt-limited', messages: prompt(10), wait: true });
-  t.equal(small.status, 200, 'the next request completes');
-  t.ok(Date.now() - started < 2_000, `at once (${Date.now() - started} ms), not after the lane paid back the refused prompt`);
+  // 200, not 202: answered within the suite's WAIT_TIMEOUT_MS (3 s), not after the lane paid back
+  // the refused prompt (some 40 s).
+  t.equal(small.status, 200, 'the next request completes while its client waits');
 });
 
 t.test('requests waiting on a lane overdrawn by a prompt the provider then refuses start once it gives its estimate back, not when the overdraw would have been paid', async (t) => {
