@@ -78,14 +78,24 @@ export async function findLaneQueue(db: Db, laneId: string): Promise<string | un
 
 /**
  * The lanes of the queue on these upstreams, its deployments in this order, their rows created
- * on first use (and numbered so: the claim numbers them again as it walks them).
+ * on first use (and numbered so: the claim numbers them again as it walks them). The rows there
+ * are locked first, in the order of their ids, as the claim and the recording of attempts' ends
+ * lock them: updated in the order of the deployments, they could wait in a circle with either.
  */
 export async function ensureLanes(db: Db, queue: Queue, upstreams: readonly string[]): Promise<string[]> {
   if (upstreams.length === 0) return [];
   const { rows } = await sql<Pick<Selectable<Database['lanes']>, 'id' | 'upstream'>>`
+    with locked as (
+      select lanes.id from gateway.lanes
+      where lanes.mode = ${queue.mode} and lanes.model = ${queue.model} and lanes.upstream = any(${upstreams}::text[])
+      order by lanes.id
+      for update
+    )
     insert into gateway.lanes (mode, upstream, model, queue_id, deployment)
     select ${queue.mode}, upstream, ${queue.model}, ${queue.id}::bigint, deployment
     from unnest(${upstreams}::text[]) with ordinality as listed(upstream, deployment)
+    -- (an InitPlan, run before the first row is inserted: the locks are taken before any)
+    where (select count(*) from locked) >= 0
     on conflict (mode, upstream, model) do update set queue_id = excluded.queue_id, deployment = excluded.deployment
     returning id, upstream
   `.execute(db);
