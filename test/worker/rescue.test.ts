@@ -4,30 +4,13 @@
 // runs, and a message whose wake-up was lost is still delivered.
 import t from 'tap';
 import { dispatchStranded, wakeStrandedEndpoints } from '../../src/worker/rescue-repository.ts';
-import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
-import { clientFor, send, userMessage } from '../helpers/http.ts';
+import { startTestGateway } from '../helpers/gateway.ts';
+import { send } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
-import { dispatchJobs, isTerminal, queueOf, waitForRow } from '../helpers/rows.ts';
+import { dispatchJobs, isTerminal, waitForRow } from '../helpers/rows.ts';
 import { until } from '../helpers/wait.ts';
 import { addTestEndpoint, endRequest, startReceiver, wakeJobs } from '../webhooks/support.ts';
-
-/** Accepts one request of `model` (no worker runs it); returns its id and its queue's. */
-async function accept(gateway: TestGateway, key: Awaited<ReturnType<TestGateway['createKey']>>, model: string) {
-  const answer = await clientFor(gateway.url, key).post({ model, messages: userMessage() });
-  const id = (answer.body as { id: string }).id;
-  return { id, queueId: await queueOf(gateway.db, id) };
-}
-
-/** Forgets every job of these tasks: the wake-ups they were are lost. */
-async function loseJobs(gateway: TestGateway, tasks: string[] = ['dispatch_queue']): Promise<void> {
-  await gateway.pool.query(
-    `delete from graphile_worker._private_jobs
-     where task_id in (select id from graphile_worker._private_tasks where identifier = any($1::text[]))`,
-    [tasks],
-  );
-}
-
-const WEBHOOK_TASKS = ['deliver_webhook', 'wake_webhook_endpoint'];
+import { accept, loseJobs, WEBHOOK_TASKS } from './support.ts';
 
 t.test('a queue with a request due and nothing to dispatch it is dispatched, and no other', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });

@@ -8,17 +8,10 @@ import t from 'tap';
 import { scheduleWake } from '../../src/webhooks/delivery-repository.ts';
 import { dispatchStranded, wakeStrandedEndpoints } from '../../src/worker/rescue-repository.ts';
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
-import { clientFor, userMessage } from '../helpers/http.ts';
-import { isTerminal, queueOf, waitForRow } from '../helpers/rows.ts';
+import { isTerminal, waitForRow } from '../helpers/rows.ts';
 import { until } from '../helpers/wait.ts';
 import { addTestEndpoint, endRequest, messagesOf, startReceiver, wakeJobs } from '../webhooks/support.ts';
-
-/** Accepts one request of `model` (no worker runs it); returns its id and its queue's. */
-async function accept(gateway: TestGateway, key: Awaited<ReturnType<TestGateway['createKey']>>, model: string) {
-  const answer = await clientFor(gateway.url, key).post({ model, messages: userMessage() });
-  const id = (answer.body as { id: string }).id;
-  return { id, queueId: await queueOf(gateway.db, id) };
-}
+import { accept, loseJobs, WEBHOOK_TASKS } from './support.ts';
 
 /** A job's state as graphile-worker reads it. */
 interface JobState {
@@ -51,17 +44,6 @@ async function jobState(gateway: TestGateway, id: string): Promise<JobState | un
   const { rows } = await gateway.pool.query<JobState>(`select id::text, attempts, run_at, last_error from graphile_worker._private_jobs where id = $1`, [id]);
   return rows[0];
 }
-
-/** Forgets every job of these tasks. */
-async function loseJobs(gateway: TestGateway, tasks: string[]): Promise<void> {
-  await gateway.pool.query(
-    `delete from graphile_worker._private_jobs
-     where task_id in (select id from graphile_worker._private_tasks where identifier = any($1::text[]))`,
-    [tasks],
-  );
-}
-
-const WEBHOOK_TASKS = ['deliver_webhook', 'wake_webhook_endpoint'];
 
 t.test('a queue whose only dispatch waits out a backoff of failures is dispatched; one failed lately, or due within the period, is not', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
