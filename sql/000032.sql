@@ -9,6 +9,11 @@
 -- next's. The claim's last row (request_id null) now carries lane_changes: a JSON array of the
 -- lanes it opened so, each with its id and last error, for the worker to report; null when none.
 --
+-- It also locks the lanes of the model that its worker's configuration no longer lists, before it
+-- takes their deployment, with its own in the order of their ids: it took the deployment first,
+-- locking those lanes out of that order, and a recording of attempts' ends on them and on its
+-- own, which locks them by id, could wait for it in a circle (a deadlock, one of the two failed).
+--
 -- The return type changes, so the function is made again (drop, create, comment). Workers of the
 -- previous version name the columns they read, and go on calling it unchanged. The nine-argument
 -- form (000024), for the workers from before 000024, returns what it did: the new function's
@@ -17,7 +22,7 @@
 drop function gateway.claim_queue(bigint, integer, text, bigint[], integer[], integer[], integer[], double precision, double precision, integer);
 
 -- Starts up to max_requests attempts of a queue's requests for worker claim_worker_id: as in
--- sql/000027.sql, with lane_changes on its last row.
+-- sql/000027.sql, with lane_changes on its last row, and every lane it writes locked by id first.
 
 create function gateway.claim_queue(
   claim_queue_id bigint,
@@ -82,12 +87,16 @@ begin
     return;
   end if;
 
-  -- Lanes of the model that this worker's configuration no longer lists take nothing.
+  -- The lanes are locked in the order of their ids, as the statement recording attempts' ends
+  -- locks them, so that the two never wait for each other in a circle: this worker's, and those
+  -- of the model that its configuration no longer lists, which take nothing from now on.
+  perform from gateway.lanes
+  where lanes.id = any(lane_ids)
+     or (lanes.queue_id = claim_queue_id and lanes.deployment is not null and lanes.id <> all(lane_ids))
+  order by lanes.id
+  for update;
   update gateway.lanes set deployment = null
   where lanes.queue_id = claim_queue_id and lanes.deployment is not null and lanes.id <> all(lane_ids);
-  -- The lanes are locked in the order of their ids, as the statement recording attempts' ends
-  -- locks them, so that the two never wait for each other in a circle.
-  perform from gateway.lanes where lanes.id = any(lane_ids) order by lanes.id for update;
 
   now_at := clock_timestamp();
   for lane_index in 1 .. coalesce(array_length(lane_ids, 1), 0) loop
