@@ -45,6 +45,11 @@ export interface EmbeddedOptions {
    * script's or the test suite's cluster) a running cluster is used as it is.
    */
   serves?: boolean;
+  /**
+   * How long a process that serves waits for the command that started a running cluster to stop
+   * it (COMMAND_WAIT_MS unless given), before it gives up with an EmbeddedPostgresError.
+   */
+  commandWaitMs?: number;
 }
 
 interface Credentials {
@@ -60,6 +65,8 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   const urlFor = (port: number) =>
     `postgres://${credentials.user}:${credentials.password}@127.0.0.1:${port}/postgres`;
 
+  const commandWaitMs = options.commandWaitMs ?? COMMAND_WAIT_MS;
+  const giveUpAt = performance.now() + commandWaitMs;
   for (let waiting = false; ; waiting = true) {
     const running = await runningCluster(directory);
     if (running === undefined) break;
@@ -82,6 +89,7 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
     if (!waiting) {
       options.logger.info({ directory, owner: owner.pid }, 'waiting for the command that started the embedded Postgres to stop it');
     }
+    if (performance.now() >= giveUpAt) throw commandStillRunning(directory, owner.pid, commandWaitMs);
     await sleep(OWNER_CHECK_INTERVAL_MS);
   }
 
@@ -150,6 +158,14 @@ function ownedByAnotherGateway(directory: string, pid: number, port: number): Em
       `(API_PROCESSES), or run more with DATABASE_URL=postgres://<user>:<password>@127.0.0.1:${port}/postgres ` +
       `(its user and password are in ${directory}.json) and that gateway's SECRET_ENCRYPTION_KEY ` +
       '(DATA_DIR/secret-encryption-key when it generated one).',
+  );
+}
+
+/** Why a gateway gave up waiting for the command that started the cluster (a command that hangs, say). */
+function commandStillRunning(directory: string, pid: number, waitedMs: number): EmbeddedPostgresError {
+  return new EmbeddedPostgresError(
+    `The embedded Postgres in ${directory} was started by a command (pid ${pid}) still running after ${waitedMs / 1000} s, ` +
+      'which stops it when it ends: end that command, then start again.',
   );
 }
 
@@ -320,6 +336,8 @@ async function ownerOf(directory: string): Promise<Owner | undefined> {
 }
 
 const OWNER_CHECK_INTERVAL_MS = 200;
+/** How long `gateway start` waits for the command that started the cluster to end, at most. */
+const COMMAND_WAIT_MS = 60_000;
 
 function isAlive(pid: number): boolean {
   try {

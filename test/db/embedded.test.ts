@@ -97,6 +97,22 @@ t.test('a Postgres left running by a process that was killed: the next start tak
   t.notOk(await answers(second.url), 'and its stop stops it');
 });
 
+t.test('a Postgres started by an administrative command that does not end: a gateway start gives up waiting, saying why', async (t) => {
+  const { logger: _silent, ...options } = await clusterOptions(t, 'hung-command');
+  const command = await startedInAnotherProcess(options);
+  // SIGTERM: the command stops its Postgres, then exits.
+  t.teardown(async () => {
+    command.kill('SIGTERM');
+    if (command.exitCode === null) await once(command, 'exit');
+  });
+
+  await t.rejects(
+    startEmbeddedPostgres({ ...options, logger, serves: true, commandWaitMs: 500 }),
+    { name: 'EmbeddedPostgresError', message: new RegExp(`started by a command \\(pid ${command.pid}\\) still running after 0\\.5 s`) },
+  );
+  t.equal(command.exitCode, null, 'the command and its Postgres are left alone');
+});
+
 t.test('a Postgres an administrative command started: a gateway start waits for the command to stop it, then starts its own', async (t) => {
   const { logger: _silent, ...options } = await clusterOptions(t, 'command');
   const command = await startedInAnotherProcess(options);
