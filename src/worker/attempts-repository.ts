@@ -88,7 +88,8 @@ export interface FinishSettings {
  * is every project's, and its retry waits on its own); a completion corrects the token
  * allowance from the estimate to its usage (one without usage keeps the estimate), and an
  * attempt that ends without a completion gives its estimate back (a call counts at most a
- * minute of its lane's tokens_per_minute either way); the provider's failures open a lane (a
+ * minute of its lane's tokens_per_minute either way), and its project's place in the lane's fair
+ * share moves by as much; the provider's failures open a lane (a
  * streak of them from different requests, or most of a minute's calls), a probe that fails keeps
  * it open for a longer interval, and a call that succeeds closes it. A lane whose health changes
  * gets a dispatch of its queue, now, and so does one given tokens back while its queue waits for
@@ -193,7 +194,7 @@ const finishStatement = statement(
       for update
     ), current as (
       -- The requests still running these very attempts, and their lanes as they were before.
-      select input.*, requests.mode, requests.charged_attempts, requests.lane_id,
+      select input.*, requests.mode, requests.charged_attempts, requests.lane_id, requests.project_id,
              coalesce(lanes.health, 'healthy') as health, coalesce(lanes.failure_streak, 0) as failure_streak,
              -- The lane's minute of calls begun by a failure, while it lasts (as lane_next counts it).
              coalesce(${windowOpen(v.window_ms)}, false) as window_open,
@@ -371,6 +372,22 @@ const finishStatement = statement(
       where lanes.id = lane_next.lane_id
       returning lanes.id, lanes.queue_id, lanes.upstream, lanes.model, lane_next.old_health, lanes.health, lanes.last_error,
                 lane_next.unestimated_tokens
+    ), shares_corrected as (
+      -- A project's place in its lane's fair share moves by what its calls' tokens were corrected
+      -- by, as the allowance does, never behind the lane's clock (lanes_now: as it is now): a
+      -- refused prompt costs its project no place. A project without a row, level with the clock,
+      -- stays there, as an idle one does.
+      update gateway.lane_fair_shares as shares
+      set next_start = greatest(lanes.fair_share_clock, shares.next_start + corrections.unestimated_tokens)
+      from (
+        select lane_id, project_id, sum(unestimated_tokens) as unestimated_tokens
+        from outcomes
+        join finished using (id)
+        where unestimated_tokens <> 0
+        group by lane_id, project_id
+      ) as corrections
+      join lanes_now as lanes on lanes.id = corrections.lane_id
+      where shares.lane_id = corrections.lane_id and shares.project_id = corrections.project_id
     ), queues_now as (
       -- The queues of the lanes given tokens back, read as they are now (locked to share), not as
       -- the statement's snapshot saw them: a claim that found such a lane without room, and held

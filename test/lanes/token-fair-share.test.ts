@@ -2,7 +2,8 @@
 // requests of two projects planted with known token estimates, gateway.claim_queue called again
 // and again with the lane's allowance set before each call (and no time passing for it), and the
 // requests each call started read back. Projects share the lane's tokens, not its turns; a call
-// spends at most a minute of tokens_per_minute, and a completion without usage keeps its estimate.
+// spends at most a minute of tokens_per_minute, a completion without usage keeps its estimate, and
+// a call's usage moves its project's place as it corrects the lane's allowance.
 // A lane without the limit keeps its turns. Either way, only the projects with a request due share
 // a claim.
 import { sql } from 'kysely';
@@ -225,6 +226,28 @@ t.test('a completion without usage keeps the estimate it was charged; an attempt
     { maxAttempts: 5, health: LANE_HEALTH },
   );
   t.equal(await allowance(), FULL - 400, 'the failure and the retry give back their 400 each');
+});
+
+t.test('a project\'s place follows the tokens its calls used: usage below the estimate moves it back, above it moves it on', async (t) => {
+  const usedBy = async (fair: Lane, estimate: number, total: number) => {
+    await fair.plant('large', 1, estimate);
+    const [started] = (await fair.claim(FULL)).started;
+    await finishAttempts(
+      fair.db,
+      [{ kind: 'completed', id: started!.id, attempt: 1, laneId: fair.laneId, result: '{}', usage: { prompt: total - 10, completion: 10, total }, upstreamStatus: 200, durationMs: 1 }],
+      { maxAttempts: 5, health: LANE_HEALTH },
+    );
+    await fair.plant('large', 10, SMALL);
+    await fair.plant('small', 10, SMALL);
+    // 500 tokens: ten small requests, in the order of their starts.
+    const { large, small } = await fair.startedBy(ids(await fair.claim(500)));
+    return [large.requests, small.requests];
+  };
+  // Estimated at 2,000 (0 to 2,000 on the clock, which stays at 0), used 100: the large project's
+  // next start at 100, two small requests behind the other's first (0 and 50), then one each.
+  t.same(await usedBy(await lane(t), LARGE, 100), [4, 6], 'a call that used 100 of its 2,000 tokens: the next claim is shared');
+  // Estimated at 400, used 2,400: the large project's next start at 2,400, beyond the ten.
+  t.same(await usedBy(await lane(t), 400, 2_400), [0, 10], 'a call that used 2,400 tokens, not 400: the other project\'s ten go first');
 });
 
 t.test('the lane remembers only projects ahead of its clock, and forgets one idle for a minute', async (t) => {

@@ -1,7 +1,8 @@
 // A lane's tokens_per_minute against large prompts: a prompt larger than a minute of every
 // deployment's tokens is refused at intake, and an attempt that ends without a completion (the
 // provider refused the prompt) gives its estimate back, so the lane does not stay shut for the
-// other requests, whether accepted after it, waiting already, or being claimed as it is given back.
+// other requests, whether accepted after it, waiting already, or being claimed as it is given back,
+// nor does its project's place in the lane's fair share keep it.
 import t from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
@@ -149,4 +150,56 @@ t.test('a refund recorded while a claim that found the lane overdrawn commits st
   const done = await waitForRow(api.db, small.body.id, isTerminal, 60_000);
   t.equal(done.status, 'completed');
   t.ok(done.finished_at! < paidBackAt, `the small request completed (${done.finished_at!.toISOString()}) before the overdraw would have been paid back (${paidBackAt.toISOString()})`);
+});
+
+t.test('a project whose prompt the provider refused is placed in the lane\'s fair share as having used none of its tokens', async (t) => {
+  let releaseBusy!: () => void;
+  const busy = new Promise<void>((resolve) => (releaseBusy = resolve));
+  // P's 2,000-token prompt is refused at once; Q's 1,000-token one is held, its call in flight,
+  // until the small requests have started; the small ones are answered at once.
+  const upstream = await startFakeUpstream(t, async (call) => {
+    const length = JSON.stringify(call.body).length;
+    if (length > 7_500) return { status: 400, json: { error: { message: 'too long' } } };
+    if (length > 2_500) await busy;
+    return { status: 200, json: completionFor(call.body) };
+  });
+  t.teardown(() => releaseBusy());
+  // 12,000 tokens a minute (190 a second, paced): Q's prompt overdraws the lane by some 5 s worth,
+  // and the small requests, of some 40 tokens, then start about one a claim.
+  const file = await upstreamsFile(t, [
+    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 12_000 } },
+  ]);
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '60000' } });
+  const p = clientFor(gateway.url, await gateway.createKey({ mode: 'live', project: 'p' }));
+  const q = clientFor(gateway.url, await gateway.createKey({ mode: 'live', project: 'q' }));
+
+  const refused = await p.post({ model: 'gpt-limited', messages: prompt(2_000) });
+  t.equal(refused.status, 202);
+  t.match(await waitForRow(gateway.db, refused.body.id, isTerminal), { status: 'failed', last_error_code: 'upstream_bad_request' });
+  const held = await q.post({ model: 'gpt-limited', messages: prompt(1_000) });
+  t.equal(held.status, 202);
+  await until(() => upstream.calls.length === 2, 'Q\'s prompt to reach the provider', 10_000);
+
+  // Both projects' small requests wait while the lane pays back Q's prompt.
+  const small: Record<string, string> = {};
+  for (let i = 0; i < 5; i++) {
+    for (const [project, client] of [['p', p], ['q', q]] as const) {
+      const posted = await client.post({ model: 'gpt-limited', messages: prompt(40) });
+      t.equal(posted.status, 202);
+      small[posted.body.id] = project;
+    }
+  }
+  for (const id of Object.keys(small)) t.equal((await waitForRow(gateway.db, id, isTerminal, 30_000)).status, 'completed');
+  releaseBusy();
+
+  // The order the lane started them in, as recorded: P used none of the lane's tokens, Q's call
+  // is using 1,000 of them, so P's requests go first (an idle project starts at the clock).
+  const { rows } = await gateway.pool.query<{ request_id: string; started_at: Date }>(
+    `select request_id, started_at from gateway.request_attempts where request_id = any($1) order by started_at, request_id`,
+    [Object.keys(small)],
+  );
+  const order = rows.map((row) => small[row.request_id]).join('');
+  const startedAt = (project: string) => rows.filter((row) => small[row.request_id] === project).map((row) => row.started_at.getTime());
+  t.ok(Math.max(...startedAt('p')) <= Math.min(...startedAt('q')),
+    `each of P's small requests started no later than Q's first (started in the order ${order}), not behind the 2,000 tokens P was refused`);
 });
