@@ -196,7 +196,7 @@ export interface LaneFairShares {
    */
   lane_id: Int8;
   /**
-   * Where on the lane's fair_share_clock the project's next request starts: its last request's start plus its tokens (the prompt estimate, at most tokens_per_minute). Requests start in the order of their starts.
+   * Where on the lane's fair_share_clock the project's next request starts: its last request's start plus its tokens (the prompt estimate while its call runs, at most tokens_per_minute; then the tokens the call used, none when it ended without a completion, never behind the clock). Requests start in the order of their starts.
    */
   next_start: Int8;
   /**
