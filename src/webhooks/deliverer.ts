@@ -98,7 +98,8 @@ const PROBE_MARGIN_MS = 1_000;
 // Without SECRET_ENCRYPTION_KEY nothing can be signed: messages are looked at again this often.
 const NO_KEY_RETRY_MS = 60_000;
 // A message whose endpoint's secret none of this worker's keys decrypts is made again after a
-// wait from NO_KEY_RETRY_MS, doubled each time it was not sent for a fault of ours, up to this.
+// wait from NO_KEY_RETRY_MS, doubled each time it was not sent for a fault of ours, up to this;
+// once it is older than the retry schedule's span (retryScheduleSpan), it is given up instead.
 const SECRET_UNDECRYPTABLE_MAX_RETRY_MS = 60 * 60_000;
 // What of a receiver's answer is read (and dropped), so that its connection serves the next try.
 const MAX_ANSWER_BYTES = 64 * 1024;
@@ -144,6 +145,15 @@ export function nextTryDelay(
   return Math.round(Math.min(MAX_RETRY_WAIT_MS, Math.max(jitter(wait, 0.1, 0.1, random), retryAfterMs ?? 0)));
 }
 
+/**
+ * How long the retry schedule lasts: the sum of its waits (each at most MAX_RETRY_WAIT_MS). An
+ * event that no worker could sign for this long is given up: a key rotation has had the time to
+ * reach every worker, and the event ends by its schedule, as one that its endpoint failed does.
+ */
+export function retryScheduleSpan(scheduleMs: readonly number[]): number {
+  return scheduleMs.reduce((sum, wait) => sum + Math.min(wait, MAX_RETRY_WAIT_MS), 0);
+}
+
 /** The body of a delivery: the event, when its request ended, and the request's record. */
 export function eventBody(message: Pick<ClaimedMessage, 'event_type' | 'created_at' | 'request'>): string {
   const head = JSON.stringify({ type: message.event_type, timestamp: message.created_at.toISOString() });
@@ -163,9 +173,10 @@ type Answer =
       pausesEndpoint?: boolean;
       /**
        * A failure of ours, not the endpoint's (our shutdown cut the try short, or we could not
-       * sign it): it spends no retry, and the try is made again in this long.
+       * sign it): it spends no retry, and the try is made again in retryInMs, or never
+       * (undefined: the event is given up).
        */
-      oursRetryInMs?: number;
+      ours?: { retryInMs: number | undefined };
       /** What it says of the endpoint (TryEnd.timedOut): undefined when the failure was ours. */
       timedOut: boolean | undefined;
     };
@@ -562,7 +573,7 @@ export class WebhookDeliverer {
     }
     const durationMs = Math.round(performance.now() - begun);
     if (answer.kind === 'failed' && signal.reason === ABORTED_BY_SHUTDOWN) {
-      answer = { kind: 'failed', httpStatus: null, error: 'the worker shut down during the try', oursRetryInMs: 0, timedOut: undefined };
+      answer = { kind: 'failed', httpStatus: null, error: 'the worker shut down during the try', ours: { retryInMs: 0 }, timedOut: undefined };
     }
     const end: TryEnd = {
       messageId: message.id,
@@ -576,11 +587,13 @@ export class WebhookDeliverer {
     };
     if (answer.kind === 'failed') {
       // A try cut short by our own shutdown, or that we could not sign, is not the endpoint's
-      // failure: it is made again in its place in the schedule. (So are the tries a worker lost:
-      // handed back, they leave webhook_messages.failures as it was.)
-      end.spendsRetry = answer.oursRetryInMs === undefined;
-      end.retryInMs =
-        answer.oursRetryInMs ?? nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.failures + 1, answer.retryAfterMs);
+      // failure: it is made again in its place in the schedule (one we could not sign, unless the
+      // event is older than the schedule's span: then it is given up). (So are the tries a worker
+      // lost: handed back, they leave webhook_messages.failures as it was.)
+      end.spendsRetry = answer.ours === undefined;
+      end.retryInMs = answer.ours
+        ? answer.ours.retryInMs
+        : nextTryDelay(this.#options.config.webhooks.retryScheduleMs, message.failures + 1, answer.retryAfterMs);
       // The endpoint asked for a pause, not this message alone: its other messages would meet
       // the same refusal, each spending a retry.
       if (answer.pausesEndpoint && answer.retryAfterMs !== undefined) end.pauseMs = Math.min(answer.retryAfterMs, MAX_RETRY_WAIT_MS);
@@ -620,16 +633,21 @@ export class WebhookDeliverer {
       // This worker's configuration, not the endpoint: the try never reaches it. Another worker
       // (mid-rotation, one given SECRET_ENCRYPTION_KEYS already) may have the key, or this one
       // once it is set right; meanwhile the message waits, later each time, its retries whole.
-      const retryInMs = doubling(message.tries - message.failures, NO_KEY_RETRY_MS, SECRET_UNDECRYPTABLE_MAX_RETRY_MS);
+      // Not for good: a key lost for good would keep it waiting (and its request from retention)
+      // forever. Older than the schedule's span, it is given up, as a spent schedule gives it up.
+      const givenUp = Date.now() - message.created_at.getTime() >= retryScheduleSpan(this.#options.config.webhooks.retryScheduleMs);
+      const retryInMs = givenUp ? undefined : doubling(message.tries - message.failures, NO_KEY_RETRY_MS, SECRET_UNDECRYPTABLE_MAX_RETRY_MS);
       this.#log.error(
         { endpointId: message.endpoint_id, messageId: message.id, retryInMs },
-        "the webhook endpoint's secret is encrypted with a key this worker does not have (SECRET_ENCRYPTION_KEY(S)): its message was not sent, and waits",
+        givenUp
+          ? "the webhook endpoint's secret is encrypted with a key this worker does not have (SECRET_ENCRYPTION_KEY(S)): its message was not sent, and is given up, older than WEBHOOK_RETRY_SCHEDULE's span"
+          : "the webhook endpoint's secret is encrypted with a key this worker does not have (SECRET_ENCRYPTION_KEY(S)): its message was not sent, and waits",
       );
       return {
         kind: 'failed',
         httpStatus: null,
         error: "the endpoint's secret could not be decrypted: no key of SECRET_ENCRYPTION_KEY(S) is the one it was stored with",
-        oursRetryInMs: retryInMs,
+        ours: { retryInMs },
         timedOut: undefined,
       };
     }

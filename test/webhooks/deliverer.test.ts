@@ -648,7 +648,8 @@ t.test('a worker without the key an endpoint\'s secret was stored with spends no
   const receiver = await startReceiver(t);
   const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
   receiver.secrets = [endpoint.secret];
-  const webhooks = { retryScheduleMs: [100] };
+  // A first wait of 100 ms, and a span (an hour) that the event stays well within.
+  const webhooks = { retryScheduleMs: [100, 60 * 60_000] };
   // Mid-rotation: this worker has a key, but not the one the endpoint's secret is encrypted with.
   const keyless = testDeliverer(t, gateway, { webhooks, secretEncryptionKey: randomBytes(32) });
   await endRequest(gateway, key, 'completed');
@@ -687,6 +688,46 @@ t.test('a worker without the key an endpoint\'s secret was stored with spends no
   await until(async () => (await messagesOf(gateway.db))[0]!.status === 'delivered', 'delivered by a worker with the key');
   t.equal(receiver.deliveries.length, 1);
   t.same(receiver.deliveries[0]?.verifiedWith, [0]);
+});
+
+t.test('an event no worker could sign is given up once it is older than the whole retry schedule, as a spent schedule gives it up', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(gateway, { url: receiver.url });
+  // Waits of 1 min and 2 min: the schedule spans 3 min.
+  const webhooks = { retryScheduleMs: [60_000, 120_000] };
+  // The key the endpoint's secret was stored with is lost: no worker has it.
+  const keyless = testDeliverer(t, gateway, { webhooks, secretEncryptionKey: randomBytes(32) });
+  await endRequest(gateway, key, 'completed');
+  const [message] = await messagesOf(gateway.db);
+
+  t.same(await keyless.runDueJobs(), ['started']);
+  await until(async () => (await messagesOf(gateway.db))[0]!.status !== 'delivering', 'the first try ended');
+  t.match((await messagesOf(gateway.db))[0], { status: 'pending', tries: 1, failures: 0 }, 'younger than the schedule: it waits, no retry spent');
+
+  // Its wait cut short, and the event made older than the schedule's span.
+  await gateway.pool.query(
+    `update gateway.webhook_messages set next_try_at = now(), created_at = now() - interval '4 minutes' where id = $1`,
+    [message!.id],
+  );
+  await gateway.pool.query(`update graphile_worker._private_jobs set run_at = now()`);
+  t.same(await keyless.runDueJobs(), ['started']);
+  await until(async () => (await messagesOf(gateway.db))[0]!.status !== 'delivering', 'the second try ended');
+  const [after] = await messagesOf(gateway.db);
+  t.match(after, { status: 'failed', tries: 2, failures: 0, next_try_at: null, worker_id: null }, 'given up (failed)');
+  t.ok(after!.finished_at, 'finished: retention no longer keeps its request');
+  t.match(await triesOf(gateway.db, message!.id), [
+    { try_number: 1, outcome: 'failed', http_status: null, error: /secret could not be decrypted/ },
+    { try_number: 2, outcome: 'failed', http_status: null, error: /secret could not be decrypted/ },
+  ]);
+  t.same(await deliveryJobs(gateway.db), [], 'no try is left to make');
+  t.same(await keyless.runDueJobs(), []);
+  t.equal(receiver.deliveries.length, 0, 'nothing reached the receiver');
+  const errors = keyless.logs.filter((line) => line.level === 'error');
+  t.equal(errors.length, 2, 'an error logged for each such try');
+  t.match(errors[1], { endpointId: endpoint.id, messageId: message!.id, msg: /given up/ }, 'the last says the event is given up');
+  t.equal(await metricValue(keyless.metrics, 'gateway_webhook_deliveries_total{outcome="failed"}'), 2);
 });
 
 t.test('a job whose message is gone, finished or not due does nothing; removing an endpoint removes its messages', async (t) => {
