@@ -872,7 +872,7 @@ export interface WebhookMessages {
    */
   event_type: string;
   /**
-   * Tries that failed and spent a wait of WEBHOOK_RETRY_SCHEDULE (its place in the schedule): not those its worker lost (died, shut down, or lost track of), which are made again at once, nor those its worker could not sign (it lacked the key of the endpoint's secret), which are made again later.
+   * Tries that failed and spent a wait of WEBHOOK_RETRY_SCHEDULE (its place in the schedule): not those its worker lost (died, shut down, or lost track of), which are made again at once, nor those its worker could not sign (it lacked the key of the endpoint's secret), which are made again later, until the event is older than the whole schedule.
    */
   failures: Generated<number>;
   /**
