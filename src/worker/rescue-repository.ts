@@ -1,5 +1,6 @@
 // SQL of the rescues (worker/rescue.ts): queues with requests due that nothing is going to
-// dispatch, and webhook endpoints with messages due that nothing is going to deliver.
+// dispatch, webhook endpoints with messages due that nothing is going to deliver, and messages
+// left pending on disabled endpoints, that nothing is going to abandon.
 import { sql, type RawBuilder } from 'kysely';
 import type { Db } from '../db/pool.ts';
 import type { KeyMode } from '../ids.ts';
@@ -177,4 +178,41 @@ export async function wakeStrandedEndpoints(db: Db, afterMs: number, limit: numb
     select stranded.id from stranded cross join queued cross join (select count(*) from revived) as revived
   `.execute(db);
   return rows.map((row) => row.id);
+}
+
+/** Messages abandoned by one statement of abandonOnDisabledEndpoints: their endpoints, and how many each. */
+export interface AbandonedMessages {
+  endpoint_id: string;
+  messages: number;
+}
+
+/**
+ * Abandons up to `limit` messages still pending on endpoints disabled at least `afterMs` ago, as
+ * the 410 that disabled their endpoint abandons those it sees: a message its statement did not
+ * see (written, or made pending again, after the statement began) and whose claim took the
+ * endpoint for one that backs off, before the 410 was committed, is left pending with no job
+ * (the claim found it paused, and its endpoint's wake is not added for a disabled endpoint);
+ * nothing else would end it. Messages locked by a claim at the same moment are passed over (the
+ * claim abandons them, or the next look). Returns, per endpoint, how many.
+ */
+export async function abandonOnDisabledEndpoints(db: Db, afterMs: number, limit: number): Promise<AbandonedMessages[]> {
+  const { rows } = await sql<{ endpoint_id: string; messages: string }>`
+    with stranded as (
+      select messages.id
+      from gateway.webhook_endpoints as endpoints
+      join gateway.webhook_messages as messages on messages.endpoint_id = endpoints.id and messages.status = 'pending'
+      where endpoints.disabled_at <= now() - ${afterMs}::float8 * interval '1 millisecond'
+      order by messages.id
+      limit ${limit}
+      for update of messages skip locked
+    ), abandoned as (
+      update gateway.webhook_messages as messages
+      set status = 'abandoned', next_try_at = null, finished_at = now()
+      from stranded
+      where messages.id = stranded.id
+      returning messages.endpoint_id
+    )
+    select abandoned.endpoint_id, count(*) as messages from abandoned group by abandoned.endpoint_id order by abandoned.endpoint_id
+  `.execute(db);
+  return rows.map((row) => ({ endpoint_id: row.endpoint_id, messages: Number(row.messages) }));
 }

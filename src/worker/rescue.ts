@@ -11,7 +11,10 @@
 //
 // Webhook messages alike: those that wait for room or for their endpoint's backoff have their
 // endpoint's one wake job (webhooks/deliverer.ts), a job that the same late end can delete. An
-// endpoint with messages due and nothing to deliver them gets its wake job again.
+// endpoint with messages due and nothing to deliver them gets its wake job again. A message left
+// pending on a disabled endpoint (the 410 that disabled it did not see it, and a claim that
+// raced the 410 left it to a wake that a disabled endpoint does not get) is abandoned, as the
+// 410 abandons the others.
 //
 // A job that failed (a database that refused statements for minutes fails the jobs run meanwhile)
 // waits out graphile-worker's backoff, which reaches hours after a few failures. One that has
@@ -22,15 +25,18 @@ import type { Db } from '../db/pool.ts';
 import type { Logger } from '../logger.ts';
 import type { Metrics } from '../metrics.ts';
 import { inBatches } from './batches.ts';
-import { dispatchStranded, wakeStrandedEndpoints } from './rescue-repository.ts';
+import { abandonOnDisabledEndpoints, dispatchStranded, wakeStrandedEndpoints } from './rescue-repository.ts';
 
 /** Queues, or endpoints, rescued per statement at most: a full batch is followed at once by another. */
 const RESCUE_BATCH = 100;
+/** Messages of disabled endpoints abandoned per statement at most, as RESCUE_BATCH. */
+const ABANDON_BATCH = 1_000;
 
 /**
- * Dispatches every queue with a request due for `afterMs` and nothing to dispatch it, and wakes
- * every webhook endpoint with a message due for as long and nothing to deliver it, a batch at a
- * time, until none is left or `signal` is aborted.
+ * Dispatches every queue with a request due for `afterMs` and nothing to dispatch it, wakes
+ * every webhook endpoint with a message due for as long and nothing to deliver it, and abandons
+ * the messages still pending on endpoints disabled for as long, a batch at a time, until none is
+ * left or `signal` is aborted.
  */
 export async function rescueStranded(deps: { db: Db; metrics: Metrics; logger: Logger }, afterMs: number, signal?: AbortSignal): Promise<void> {
   const log = deps.logger.child({ component: 'rescue' });
@@ -45,5 +51,13 @@ export async function rescueStranded(deps: { db: Db; metrics: Metrics; logger: L
     deps.metrics.rescuedEndpoints.inc(endpoints.length);
     if (endpoints.length > 0) log.info({ endpointIds: endpoints }, 'webhook endpoints with messages due and nothing to deliver them: woken');
     return endpoints.length;
+  }, signal);
+  await inBatches(ABANDON_BATCH, async () => {
+    const abandoned = await abandonOnDisabledEndpoints(deps.db, afterMs, ABANDON_BATCH);
+    const messages = abandoned.reduce((sum, endpoint) => sum + endpoint.messages, 0);
+    if (messages > 0) {
+      log.info({ endpointIds: abandoned.map((endpoint) => endpoint.endpoint_id), messages }, 'webhook messages pending on disabled endpoints: abandoned');
+    }
+    return messages;
   }, signal);
 }

@@ -1,15 +1,34 @@
 // The rescues (worker/rescue.ts): a queue with requests due and nothing to dispatch it is
 // dispatched, and an endpoint with webhook messages due and nothing to deliver them is woken, and
 // no other; and a worker does both on its own, so that a request whose wake-up was lost still
-// runs, and a message whose wake-up was lost is still delivered.
+// runs, and a message whose wake-up was lost is still delivered. A message left pending on a
+// disabled endpoint (a probe's claim raced the 410 that disabled it) is abandoned.
+import { Writable } from 'node:stream';
 import t from 'tap';
-import { dispatchStranded, wakeStrandedEndpoints } from '../../src/worker/rescue-repository.ts';
+import { createDb, createPool } from '../../src/db/pool.ts';
+import { createLogger } from '../../src/logger.ts';
+import { Metrics } from '../../src/metrics.ts';
+import { ENDPOINT_BACKOFF } from '../../src/webhooks/deliverer.ts';
+import { claimMessage, finishTry } from '../../src/webhooks/delivery-repository.ts';
+import { oldestUnfinishedMessageAge } from '../../src/webhooks/repository.ts';
+import { rescueStranded } from '../../src/worker/rescue.ts';
+import { abandonOnDisabledEndpoints, dispatchStranded, wakeStrandedEndpoints } from '../../src/worker/rescue-repository.ts';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { send } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
-import { dispatchJobs, isTerminal, waitForRow } from '../helpers/rows.ts';
+import { dispatchJobs, isTerminal, waitForRow, waitingOnLock } from '../helpers/rows.ts';
 import { until } from '../helpers/wait.ts';
-import { addTestEndpoint, endRequest, startReceiver, wakeJobs } from '../webhooks/support.ts';
+import {
+  addTestEndpoint,
+  deliveryJobs,
+  endRequest,
+  messagesOf,
+  startReceiver,
+  takeDueWebhookJobs,
+  testDeliverer,
+  triesOf,
+  wakeJobs,
+} from '../webhooks/support.ts';
 import { accept, loseJobs, WEBHOOK_TASKS } from './support.ts';
 
 t.test('a queue with a request due and nothing to dispatch it is dispatched, and no other', async (t) => {
@@ -104,6 +123,15 @@ t.test('an endpoint with a message due and nothing to deliver it is woken, and n
     t.match(wakes.filter((wake) => wake.endpoint_id === endpoint.id), [{ deferrals: 0, key: `wake_webhook_endpoint:${endpoint.id}` }], 'its wake job added');
   }
   t.same(await wakeStrandedEndpoints(gateway.db, 5_000, 100), [], 'once woken, it has a job: not rescued again');
+
+  // The disabled endpoint's message, pending: abandoned, once the endpoint has been disabled that long.
+  t.same(await abandonOnDisabledEndpoints(gateway.db, 5_000, 100), [], 'not an endpoint disabled a moment ago');
+  await gateway.pool.query(`update gateway.webhook_endpoints set disabled_at = now() - interval '10 seconds' where id = $1`, [disabled!.id]);
+  t.same(await abandonOnDisabledEndpoints(gateway.db, 5_000, 100), [{ endpoint_id: disabled!.id, messages: 1 }], 'its message abandoned, and no other');
+  const messages = await messagesOf(gateway.db);
+  t.match(messages.filter((message) => message.endpoint_id === disabled!.id), [{ status: 'abandoned', next_try_at: null }]);
+  t.same(messages.filter((message) => message.endpoint_id !== disabled!.id).map((message) => message.status), Array(5).fill('pending'), 'the others still pending');
+  t.same(await abandonOnDisabledEndpoints(gateway.db, 5_000, 100), [], 'nothing left to abandon');
 });
 
 t.test('a worker delivers a message whose wake-up was lost', async (t) => {
@@ -121,4 +149,74 @@ t.test('a worker delivers a message whose wake-up was lost', async (t) => {
   t.equal(metrics.get('gateway_webhook_endpoints_rescued_total'), 1, 'counted');
   const logged = worker.logs.map((line) => JSON.parse(line)).filter((line) => line.component === 'rescue');
   t.match(logged, [{ level: 'info', msg: 'webhook endpoints with messages due and nothing to deliver them: woken', endpointIds: [endpoint.id] }], 'and logged');
+});
+
+t.test("a message a probe's claim leaves pending while a 410 disables its endpoint is abandoned by the rescue", async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const key = await gateway.createKey();
+  const endpoint = await addTestEndpoint(gateway, { url: 'http://127.0.0.1:9/hooks' });
+  const named = (applicationName: string) => {
+    const pool = createPool(gateway.databaseUrl, { max: 1, applicationName, logger: createLogger({ logLevel: 'silent' }) });
+    t.teardown(() => pool.end());
+    return createDb(pool);
+  };
+  const finisher = named('gone-race-finisher');
+  const { deliverer } = testDeliverer(t, { db: named('gone-race-claimer'), config: gateway.config });
+
+  // A try in flight, begun before its endpoint backed off (others timed out since); the wait is
+  // over, so the next claim is the endpoint's probe.
+  const first = await endRequest(gateway, key, 'completed');
+  const [gone] = await messagesOf(gateway.db, first);
+  await takeDueWebhookJobs(gateway.db);
+  t.match(await claimMessage(gateway.db, gone!.id, 'worker-gone', 1_000), { kind: 'claimed' });
+  await gateway.pool.query(
+    `update gateway.webhook_endpoints set backoff_ms = 1000, timed_out_at = now() - interval '5 seconds', paused_until = now() - interval '1 second' where id = $1`,
+    [endpoint.id],
+  );
+
+  // The try's receiver answers 410; its end waits for the endpoint's row, held by the test.
+  const locker = await gateway.pool.connect();
+  t.teardown(() => locker.release());
+  await locker.query('begin');
+  await locker.query('select from gateway.webhook_endpoints where id = $1 for no key update', [endpoint.id]);
+  const end = finishTry(finisher, {
+    messageId: gone!.id, endpointId: endpoint.id, tryNumber: 1, kind: 'gone', httpStatus: 410,
+    error: 'HTTP 410 Gone: the endpoint is disabled', durationMs: 5, timedOut: false,
+  }, ENDPOINT_BACKOFF);
+  await until(async () => (await waitingOnLock(gateway.pool, 'gone-race-finisher')) === 1, "the 410's end to wait for the endpoint");
+
+  // Meanwhile a request ends (its message written after the 410's statement began), and its job's
+  // claim, the endpoint's probe, waits for the endpoint's row too.
+  const second = await endRequest(gateway, key, 'completed');
+  const [message] = await messagesOf(gateway.db, second);
+  t.match(await takeDueWebhookJobs(gateway.db), [{ task: 'deliver_webhook', message_id: message!.id }]);
+  const delivery = deliverer.deliver(message!.id, endpoint.id);
+  await until(async () => (await waitingOnLock(gateway.pool, 'gone-race-claimer')) === 1, 'the probe to wait for the endpoint');
+  await locker.query('commit');
+
+  t.equal(await end, 'abandoned', 'the 410 is recorded');
+  t.equal(await delivery, 'deferred', 'the probe lost its endpoint to the 410: not claimed');
+  const { rows } = await gateway.pool.query('select disabled_at from gateway.webhook_endpoints where id = $1', [endpoint.id]);
+  t.ok(rows[0].disabled_at, 'the endpoint is disabled');
+  t.match(await messagesOf(gateway.db, second), [{ status: 'pending', tries: 0 }], 'the message is left pending');
+  t.same(await wakeJobs(gateway.db), [], 'with no wake');
+  t.same(await deliveryJobs(gateway.db), [], 'nor a job of its own');
+
+  const logs: Record<string, any>[] = [];
+  const sink = new Writable({
+    write(chunk: Buffer, _encoding, done) {
+      for (const line of chunk.toString('utf8').split('\n').filter(Boolean)) logs.push(JSON.parse(line));
+      done();
+    },
+  });
+  const metrics = new Metrics();
+  await rescueStranded({ db: gateway.db, metrics, logger: createLogger({ logLevel: 'info' }, sink) }, 0);
+  const [rescued] = await messagesOf(gateway.db, second);
+  t.match(rescued, { status: 'abandoned', tries: 0, next_try_at: null }, 'the rescue abandons it, as the 410 would have');
+  t.ok(rescued!.finished_at, 'finished');
+  t.same(await triesOf(gateway.db, message!.id), [], 'nothing sent');
+  t.match(logs.filter((line) => line.component === 'rescue'), [
+    { level: 'info', msg: 'webhook messages pending on disabled endpoints: abandoned', endpointIds: [endpoint.id], messages: 1 },
+  ], 'and logged');
+  t.equal(await oldestUnfinishedMessageAge(gateway.db), 0, 'no event is left unfinished');
 });
