@@ -57,6 +57,16 @@ export function parseRetryAfter(value: string | null, now = Date.now()): number 
 }
 
 /**
+ * The timer of sleep(), the pauses between retries and between polls. Not exported from the
+ * package (index.ts): the library's tests put a stand-in here that records the pauses asked for,
+ * and ends them at once or when they choose, rather than timing the machine.
+ */
+export const pauseTimer: { set(fire: () => void, ms: number): unknown; clear(timer: unknown): void } = {
+  set: (fire, ms) => setTimeout(fire, ms),
+  clear: (timer) => clearTimeout(timer as ReturnType<typeof setTimeout>),
+};
+
+/**
  * Resolves after `ms`, or rejects with APIUserAbortError as soon as `signal` fires. `ms` is at
  * most MAX_WAIT_MS (the options that set a wait are checked against it), as a timer fires a
  * longer wait, or NaN, after 1 ms; such a wait is a RangeError rather than no wait at all.
@@ -65,14 +75,14 @@ export function sleep(ms: number, signal: AbortSignal | undefined): Promise<void
   return new Promise((resolve, reject) => {
     if (!(ms >= 0 && ms <= MAX_WAIT_MS)) return reject(new RangeError(`A wait of ${ms} ms is not from 0 to ${MAX_WAIT_MS}.`));
     if (signal?.aborted) return reject(new APIUserAbortError({ cause: signal.reason }));
-    const timer = setTimeout(done, ms);
+    const timer = pauseTimer.set(done, ms);
     signal?.addEventListener('abort', aborted, { once: true });
     function done() {
       signal?.removeEventListener('abort', aborted);
       resolve();
     }
     function aborted() {
-      clearTimeout(timer);
+      pauseTimer.clear(timer);
       reject(new APIUserAbortError({ cause: signal?.reason }));
     }
   });

@@ -1,7 +1,7 @@
 // requests.poll: looks a request up, backing off, until it is completed, failed or cancelled.
 import t from 'tap';
 import { APIUserAbortError, Gateway, GatewayError, NotFoundError } from '../../src/client/index.ts';
-import { API_KEY, BASE_URL, SECRET, checkCall, completion, errorResponse, jsonResponse, record, scriptedFetch } from './support.ts';
+import { API_KEY, BASE_URL, SECRET, checkCall, completion, errorResponse, jsonResponse, record, recordPauses, scriptedFetch } from './support.ts';
 
 function clientWith(script: Parameters<typeof scriptedFetch>[0]) {
   const { fetch, calls } = scriptedFetch(script);
@@ -9,14 +9,13 @@ function clientWith(script: Parameters<typeof scriptedFetch>[0]) {
 }
 
 t.test('poll returns the completed record once the request is completed, after signed lookups', async (t) => {
-  const times: number[] = [];
-  const answer = (body: unknown) => () => (times.push(performance.now()), jsonResponse(200, body));
+  const pauses = recordPauses(t);
   const completed = record('completed', { attempts: 1, result: completion('the end') });
   const { client, calls } = clientWith([
-    answer(record('queued')),
-    answer(record('processing')),
-    answer(record('retrying', { last_error_code: 'upstream_server_error' })),
-    answer(completed),
+    jsonResponse(200, record('queued')),
+    jsonResponse(200, record('processing')),
+    jsonResponse(200, record('retrying', { last_error_code: 'upstream_server_error' })),
+    jsonResponse(200, completed),
   ]);
 
   const result = await client.requests.poll('req_0123456789abcdefghijklmn', { pollIntervalMs: 50 });
@@ -26,8 +25,12 @@ t.test('poll returns the completed record once the request is completed, after s
   t.equal(calls.length, 4);
   t.ok(calls.every((call) => call.method === 'GET' && new URL(call.url).pathname === '/v1/requests/req_0123456789abcdefghijklmn'));
   t.ok(calls.every((call) => checkCall(call).valid), 'every lookup is signed');
-  const pauses = times.slice(1).map((time, index) => time - times[index]!);
-  t.ok(pauses[0]! >= 35 && pauses[2]! >= 150, `pauses grow: ${pauses.map(Math.round).join(', ')} ms`);
+  // 50, 100 and 200 ms, each less up to a fifth at random.
+  t.equal(pauses.length, 3, 'a pause between lookups');
+  t.ok(
+    [50, 100, 200].every((ms, index) => pauses[index]! >= ms * 0.8 && pauses[index]! <= ms),
+    `pauses grow: ${pauses.map(Math.round).join(', ')} ms`,
+  );
 });
 
 t.test('poll returns a failed record too: failed is final', async (t) => {
@@ -54,11 +57,17 @@ t.test('poll of an unknown id throws NotFoundError at once', async (t) => {
 });
 
 t.test('poll stops with APIUserAbortError when its signal fires between lookups', async (t) => {
-  const { client, calls } = clientWith([jsonResponse(200, record('processing'))]);
   const controller = new AbortController();
-  setTimeout(() => controller.abort(), 300);
+  // The second pause never ends by itself: the signal, fired once it has begun, ends it.
+  const pauses = recordPauses(t, (_ms, index) => {
+    if (index === 0) return 'now';
+    setImmediate(() => controller.abort());
+    return 'never';
+  });
+  const { client, calls } = clientWith([jsonResponse(200, record('processing'))]);
   await t.rejects(client.requests.poll('req_x', { pollIntervalMs: 100, signal: controller.signal }), APIUserAbortError);
-  t.ok(calls.length >= 2 && calls.length <= 4, `${calls.length} lookups before the abort`);
+  t.equal(pauses.length, 2);
+  t.equal(calls.length, 2, 'two lookups, and none after the abort');
 });
 
 t.test('a pause longer than a timer keeps (above 2^31 - 1 ms), or not a number, is refused with a GatewayError, not a tight loop', async (t) => {
@@ -82,10 +91,10 @@ t.test('maxPollIntervalMs bounds every pause, the first too, when it is below po
     jsonResponse(200, record('processing')),
     jsonResponse(200, record('completed', { result: completion() })),
   ]);
-  const started = performance.now();
+  const pauses = recordPauses(t);
   const result = await client.requests.poll('req_0123456789abcdefghijklmn', { pollIntervalMs: 1_000, maxPollIntervalMs: 20 });
-  const elapsed = performance.now() - started;
   t.equal(result.status, 'completed');
   t.equal(calls.length, 4);
-  t.ok(elapsed < 600, `three pauses of at most 20 ms took ${Math.round(elapsed)} ms (not three of 1 s)`);
+  t.equal(pauses.length, 3);
+  t.ok(pauses.every((ms) => ms >= 16 && ms <= 20), `three pauses of at most 20 ms (${pauses.map(Math.round).join(', ')} ms), not of 1 s`);
 });

@@ -1,6 +1,7 @@
 // For the client's tests: a scripted fetch that records what the client sends, and a check of
 // Svc-Signature written with node:crypto, independently of the library's Web Crypto signer.
 import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
+import { pauseTimer } from '../../src/client/retry.ts';
 
 export const SECRET = 'svc_sig_0123456789abcdefghijklmnopqrstuvwxyzABCDEF';
 export const API_KEY = 'svc_test_0123456789abcdefghijklmnopqrstuvwxyzABCDEF';
@@ -113,4 +114,27 @@ export function checkCall(call: SentCall, secret = SECRET): CheckedSignature {
     path: url.pathname + url.search,
     body: call.body,
   });
+}
+
+/**
+ * Records each pause the client takes (between retries, between polls) in place of waiting it
+ * out: `ms` is what it asked for. Each ends at once unless `end` says 'never' for it (for the
+ * client's signal to end it, or nothing to). The timer is the client's again at the test's end.
+ */
+export function recordPauses(
+  t: { teardown(fn: () => void): void },
+  end: (ms: number, index: number) => 'now' | 'never' = () => 'now',
+): number[] {
+  const pauses: number[] = [];
+  const { set, clear } = pauseTimer;
+  pauseTimer.set = (fire, ms) => {
+    const ending = end(ms, pauses.length);
+    pauses.push(ms);
+    return ending === 'now' ? setImmediate(fire) : undefined;
+  };
+  pauseTimer.clear = (timer) => {
+    if (timer !== undefined) clearImmediate(timer as NodeJS.Immediate);
+  };
+  t.teardown(() => Object.assign(pauseTimer, { set, clear }));
+  return pauses;
 }
