@@ -82,13 +82,14 @@ t.test('wait=true falls back to the 202 acknowledgement after WAIT_TIMEOUT_MS, t
 });
 
 t.test('wait=true answers a request that failed before the timeout at once, with 202 and status failed', async (t) => {
-  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '10000' } });
+  // The longest wait timeout there is, ten minutes, far past the test's own time: an answer at
+  // all is the one given when the request failed, not the one at the timeout (which would say
+  // failed too).
+  const gateway = await startTestGateway(t, { env: { WAIT_TIMEOUT_MS: '600000' } });
   const key = await gateway.createKey();
-  const started = Date.now();
   const answer = await clientFor(gateway.url, key).post({ model: 'test-error-400', messages: userMessage(), wait: true });
-  t.equal(answer.status, 202);
+  t.equal(answer.status, 202, 'answered, without sitting out the wait timeout');
   t.equal(answer.body.status, 'failed');
-  t.ok(Date.now() - started < 9000, 'did not sit out the wait timeout');
   const row = await requestRow(gateway.db, answer.body.id);
   t.equal(row?.last_error_code, 'upstream_bad_request');
   t.equal((await attemptRows(gateway.db, answer.body.id)).length, 1);
