@@ -210,16 +210,15 @@ t.test('a 2xx answer of 20 MiB: upstream_invalid_response past UPSTREAM_MAX_RESP
 
 t.test('a 2xx answer that says it is larger than the limit (content-length) is not read at all', async (t) => {
   // The headers and the body's first bytes, the rest held back for good: only the content-length
-  // can end this attempt before the upstream timeout (reading the body would wait for it).
-  const timeoutMs = 5000;
+  // can end this attempt before the upstream timeout (reading the body would wait for it, and end
+  // as upstream_timeout).
   const { row, attempts } = await runAgainst(
     t,
     () => ({ status: 200, text: '{"object":"chat.completion",', headers: { 'content-length': String(3 * 1024 * 1024) }, partial: 'hold' }),
-    { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: String(timeoutMs) },
+    { MAX_ATTEMPTS: '1', UPSTREAM_TIMEOUT_MS: '5000' },
   );
-  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' });
+  t.match(row, { status: 'failed', attempts: 1, last_error_code: 'upstream_invalid_response' }, 'failed on its content-length, not at the upstream timeout');
   t.match(attempts[0], { upstream_status: 200, error_code: 'upstream_invalid_response', error_detail: 'the 2xx body is larger than 2097152 bytes' });
-  t.ok(attempts[0]!.duration_ms! < timeoutMs / 2, `ended in ${attempts[0]!.duration_ms} ms, well before the ${timeoutMs} ms timeout`);
 });
 
 t.test('UPSTREAM_MAX_RESPONSE_BYTES sets the limit', async (t) => {
