@@ -105,15 +105,14 @@ t.test('a request waiting for a paused lane fails on time too, never having been
 });
 
 t.test('a wait=true request whose deadline passes is answered with its acknowledgement, status failed', async (t) => {
-  const gateway = await startTestGateway(t, { env: LONGER_THAN_DEADLINES });
+  // The simulator would take 10 s; the deadline comes first, and the wait (the longest there is,
+  // ten minutes, past the test's own time) much later still: an answer at all is the one given
+  // once the request failed, not the one at the wait's end (which would say failed too).
+  const gateway = await startTestGateway(t, { env: { ...LONGER_THAN_DEADLINES, WAIT_TIMEOUT_MS: '600000' } });
   const key = await gateway.createKey({ deadlineMs: 1_000 });
-  const started = Date.now();
-  // The simulator would take 10 s; the deadline comes first, and the wait (15 s) later still.
   const answer = await clientFor(gateway.url, key).post({ model: 'test-delay-10000', messages: userMessage(), wait: true });
-  const waitedMs = Date.now() - started;
-  t.equal(answer.status, 202);
+  t.equal(answer.status, 202, 'answered once the request failed, not at the wait\'s end');
   t.match(answer.body, { object: 'chat.completion.async', status: 'failed' });
-  t.ok(waitedMs < 8_000, `answered after ${waitedMs} ms, once the request failed`);
   t.match(await requestRow(gateway.db, answer.body.id), { status: 'failed', last_error_code: 'deadline_exceeded' });
   t.match(await attemptRows(gateway.db, answer.body.id), [{ outcome: 'failed', error_code: 'deadline_exceeded' }]);
 });
