@@ -12,14 +12,15 @@ import { completionAfter, completionFor, startFakeUpstream } from '../helpers/up
 import { upstreamsFile } from '../helpers/upstreams-file.ts';
 import { until, waitFor } from '../helpers/wait.ts';
 
-t.test('a burst on a lane paced by requests_per_minute takes about the time the limit allows, however seldom workers poll for jobs', async (t) => {
+t.test('a burst on a lane paced by requests_per_minute completes as the limit allows, however seldom workers poll for jobs', async (t) => {
   const upstream = await startFakeUpstream(t);
   const file = await upstreamsFile(t, [
     { name: 'paced', base_url: upstream.baseUrl, models: ['gpt-paced'], limits: { requests_per_minute: 600 } },
   ]);
-  // A poll for jobs every 30 s: each time the lane runs out of room, the dispatch job due when
-  // it has room again would wait that long.
-  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, WORKER_POLL_INTERVAL_MS: '30000' } });
+  // A poll for jobs every hour: each time the lane runs out of room, the dispatch job due when it
+  // has room again would wait that long, so all 30 completed within the test is the worker's own
+  // dispatch when the time comes.
+  const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, WORKER_POLL_INTERVAL_MS: '3600000' } });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const sentAt = Date.now();
   const answers = await Promise.all(
@@ -37,9 +38,8 @@ t.test('a burst on a lane paced by requests_per_minute takes about the time the 
     return rows[0]!.completed === ids.length;
   }, 'all 30 completed', 25_000);
   // 10 calls a second, paced at 95 % with half a second's worth at once to start with: the last
-  // of the 30 starts some 2.6 s after the first; waiting for polls, it would start after 30 s or more.
-  const tookMs = lastFinishedAt - sentAt;
-  t.ok(tookMs < 8_000, `all completed ${tookMs} ms after they were sent`);
+  // of the 30 starts some 2.6 s after the first; waiting for polls, it would start after an hour.
+  t.comment(`all completed ${lastFinishedAt - sentAt} ms after they were sent`);
   t.equal(upstream.calls.length, 30, 'one call each');
 });
 
@@ -49,7 +49,9 @@ t.test('a retry is attempted when its backoff is over, however seldom workers po
     upstream.calls.length === 1 ? { status: 500 } : { status: 200, json: completionFor(call.body) },
   );
   const gateway = await startTestGateway(t, {
-    env: { UPSTREAM_BASE_URL: upstream.baseUrl, WORKER_POLL_INTERVAL_MS: '30000', RETRY_BASE_MS: '300', RETRY_MAX_MS: '300' },
+    // A poll for jobs every hour: the retry made within the test is the worker's own dispatch
+    // when its backoff is over, not the dispatch job's, which would wait for that poll.
+    env: { UPSTREAM_BASE_URL: upstream.baseUrl, WORKER_POLL_INTERVAL_MS: '3600000', RETRY_BASE_MS: '300', RETRY_MAX_MS: '300' },
   });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
   const accepted = await client.post({ model: 'gpt-retried', messages: userMessage('retried') });
@@ -59,8 +61,7 @@ t.test('a retry is attempted when its backoff is over, however seldom workers po
   const [first, second] = await attemptRows(gateway.db, accepted.body.id as string);
   t.match([first, second], [{ outcome: 'failed', error_code: 'upstream_server_error' }, { outcome: 'succeeded' }], 'in a second attempt, after a 500');
   // A backoff of 300 ms at most (jittered), its dispatch at the end of its quarter second.
-  const againAfterMs = second!.started_at.getTime() - first!.finished_at!.getTime();
-  t.ok(againAfterMs < 3_000, `attempted again ${againAfterMs} ms after the first failed`);
+  t.comment(`attempted again ${second!.started_at.getTime() - first!.finished_at!.getTime()} ms after the first failed`);
 });
 
 for (const ending of ['cancelled', 'failed for its deadline'] as const) {
