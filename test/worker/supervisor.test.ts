@@ -296,14 +296,15 @@ t.test('stop() during the restart of a pool that stopped on its own waits for th
 });
 
 t.test('a worker is found dead when its heartbeat reaches WORKER_DEAD_AFTER_MS, not at the next periodic sweep, with its attempt started after that heartbeat', async (t) => {
-  // Dead after 60 s: heartbeats and periodic sweeps every 12 s.
-  const gateway = await startTestGateway(t, { role: 'api', env: { WORKER_DEAD_AFTER_MS: '60000' } });
+  // Dead after 10 minutes: heartbeats and periodic sweeps every 2 minutes, so a recovery within
+  // the test is the sweep due when the heartbeat is old enough, not a periodic one.
+  const gateway = await startTestGateway(t, { role: 'api', env: { WORKER_DEAD_AFTER_MS: '600000' } });
   const client = clientFor(gateway.url, await gateway.createKey());
   const accepted = await client.post({ model: 'test-echo', messages: userMessage() });
   const id = accepted.body.id as string;
-  // A worker last heard from 55 s ago, due to be found dead 5 s from now, and an attempt it
+  // A worker last heard from 595 s ago, due to be found dead 5 s from now, and an attempt it
   // started just now (after that heartbeat, as a worker may until the moment it dies).
-  await gateway.pool.query(`insert into gateway.worker_pools (id, hostname, pid, last_seen_at) values ('worker-dying', 'h', 1, now() - interval '55 s')`);
+  await gateway.pool.query(`insert into gateway.worker_pools (id, hostname, pid, last_seen_at) values ('worker-dying', 'h', 1, now() - interval '595 s')`);
   await gateway.pool.query(`update gateway.requests set status = 'processing', attempts = 1, next_attempt_at = null where id = $1`, [id]);
   await gateway.pool.query(
     `insert into gateway.request_attempts (request_id, attempt_number, worker_id, upstream, started_at) values ($1, 1, 'worker-dying', 'test', now())`,
@@ -319,10 +320,10 @@ t.test('a worker is found dead when its heartbeat reaches WORKER_DEAD_AFTER_MS, 
     recoveredAfterMs = Date.now() - insertedAt;
     return true;
   }, 20_000, 50);
-  t.comment(`recovered ${recoveredAfterMs} ms after the heartbeat was made 55 s old (due at 5000 ms; the periodic sweeps at about 0 and 12000 ms)`);
-  t.match(await attemptRows(gateway.db, id), [{ attempt_number: 1, outcome: 'failed', error_code: 'worker_lost', worker_id: 'worker-dying' }], 'its attempt is recorded as worker_lost');
-  t.ok(recoveredAfterMs >= 4_900, 'not before its heartbeat was 60 s old');
-  t.ok(recoveredAfterMs < 10_000, 'by the sweep due at that moment, not the next periodic one');
+  t.comment(`recovered ${recoveredAfterMs} ms after the heartbeat was made 595 s old (due at 5000 ms; the periodic sweeps at about 0 and 120000 ms)`);
+  // Within waitFor's 20 s: by the sweep due at that moment, the next periodic one being 2 minutes away.
+  t.match(await attemptRows(gateway.db, id), [{ attempt_number: 1, outcome: 'failed', error_code: 'worker_lost', worker_id: 'worker-dying' }], 'its attempt is recorded as worker_lost, by the sweep due at that moment');
+  t.ok(recoveredAfterMs >= 4_900, 'not before its heartbeat was 600 s old');
   t.match(await waitForRow(gateway.db, id, isTerminal), { status: 'completed', attempts: 2 }, 'and it completes in a second attempt');
   await service.stop();
 });
