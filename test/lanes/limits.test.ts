@@ -163,9 +163,9 @@ t.test('one project\'s burst does not delay another project\'s requests behind i
   const smallDoneAt = Math.max(...smallFinished.values());
 
   // 4 calls of 250 ms at once: 16 a second. Taking turns, the 10 go out within 20 calls (about
-  // 1.3 s); behind the burst they would wait its 12.5 s.
-  const waitedMs = smallDoneAt - smallSubmitted;
-  t.ok(waitedMs < 3_000, `the small project's 10 finished ${waitedMs} ms after they were sent`);
+  // 1.3 s); behind the burst they would wait its 12.5 s. What shows it is the count below, of
+  // the burst's calls that ran while they waited, not how long that took on this machine.
+  t.comment(`the small project's 10 finished ${smallDoneAt - smallSubmitted} ms after they were sent`);
   // Counted from when the 10 were sent: on a busy machine, sending the 200 takes long enough for
   // many of them to run before. Taking turns, about 10 of the burst run while the 10 wait (and the
   // 4 under way when they came); behind it, all of the rest. Those that finished in that window
