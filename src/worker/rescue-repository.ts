@@ -66,7 +66,8 @@ function revive(ids: RawBuilder<unknown>, afterMs: number): RawBuilder<unknown> 
  * - no dispatch_queue job of the queue, due at any time, or running (a job spent, its attempts
  *   used up, does not count, nor does a stalled one).
  * A queue whose job stalled has that job made due now (the one of lowest id, if it has several);
- * the others get one added. Returns them. The limit counts stranded queues only: queues due with
+ * the others get one added. Returns them, but those whose stalled job another statement held (it
+ * was not made due; the next look takes it). The limit counts stranded queues only: queues due with
  * a job of their own (a lane paused, its dispatch scheduled) would otherwise fill every batch and
  * hide those after them.
  *
@@ -119,7 +120,9 @@ export async function dispatchStranded(db: Db, afterMs: number, limit: number): 
       ))
       where exists (select from stranded where stranded.stalled_job is null)
     )
-    select stranded.id::text as id, stranded.mode from stranded cross join queued cross join (select count(*) from revived) as revived
+    -- A queue whose stalled job another statement held (not made due) is not counted: the next look takes it.
+    select stranded.id::text as id, stranded.mode from stranded cross join queued
+    where stranded.stalled_job is null or stranded.stalled_job in (select revived.id from revived)
   `.execute(db);
   return rows;
 }
@@ -132,9 +135,10 @@ export async function dispatchStranded(db: Db, afterMs: number, limit: number): 
  *   count: it is made due now instead);
  * - no deliver_webhook job names it that is due or running (one due later, a retry of another
  *   message, takes none of the waiting ones).
- * Returns their ids; the limit counts those only, as dispatchStranded's does. A job spent (its
- * attempts used up) does not count; its row, holding the endpoint's wake key, is taken for the
- * new job.
+ * Returns the ids of those woken (not those whose stalled wake another statement held: the next
+ * look takes them); the limit counts stranded endpoints only, as dispatchStranded's does. A job
+ * spent (its attempts used up) does not count; its row, holding the endpoint's wake key, is taken
+ * for the new job.
  */
 export async function wakeStrandedEndpoints(db: Db, afterMs: number, limit: number): Promise<string[]> {
   const { rows } = await sql<{ id: string }>`
@@ -175,7 +179,8 @@ export async function wakeStrandedEndpoints(db: Db, afterMs: number, limit: numb
       ))
       where exists (select from stranded where stranded.stalled_job is null)
     )
-    select stranded.id from stranded cross join queued cross join (select count(*) from revived) as revived
+    select stranded.id from stranded cross join queued
+    where stranded.stalled_job is null or stranded.stalled_job in (select revived.id from revived)
   `.execute(db);
   return rows.map((row) => row.id);
 }

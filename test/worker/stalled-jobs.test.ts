@@ -69,6 +69,24 @@ t.test('a queue whose only dispatch waits out a backoff of failures is dispatche
   t.same(await dispatchStranded(gateway.db, 5_000, 100), [], 'due now, it covers its queue');
 });
 
+t.test('a stalled dispatch another statement holds is passed over, and its queue not counted as rescued until it is run', async (t) => {
+  const gateway = await startTestGateway(t, { role: 'api' });
+  const stalled = await accept(gateway, await gateway.createKey({ mode: 'live' }), 'held');
+  await gateway.pool.query(`update gateway.requests set next_attempt_at = now() - interval '10 seconds'`);
+  const [stalledJob] = await failJobs(gateway, DISPATCH_JOBS_OF, [stalled.queueId], 5, 20);
+
+  // Held, as by another worker's rescue of it, or a worker fetching it.
+  const holder = await gateway.pool.connect();
+  t.teardown(() => holder.release());
+  await holder.query('begin');
+  await holder.query('select from graphile_worker._private_jobs where id = $1 for update', [stalledJob!.id]);
+  t.same(await dispatchStranded(gateway.db, 5_000, 100), [], 'not rescued: its job was not made due');
+  t.equal((await jobState(gateway, stalledJob!.id))?.run_at.getTime(), stalledJob!.run_at.getTime(), 'its job as it was');
+  await holder.query('rollback');
+
+  t.same(await dispatchStranded(gateway.db, 5_000, 100), [{ id: stalled.queueId, mode: 'live' }], 'once let go, rescued');
+});
+
 t.test('a worker runs a request whose queue\'s dispatch waits out a backoff of failures', async (t) => {
   const api = await startTestGateway(t, { role: 'api' });
   const { id, queueId } = await accept(api, await api.createKey(), 'test-echo');
