@@ -372,22 +372,36 @@ const finishStatement = statement(
       where lanes.id = lane_next.lane_id
       returning lanes.id, lanes.queue_id, lanes.upstream, lanes.model, lane_next.old_health, lanes.health, lanes.last_error,
                 lane_next.unestimated_tokens
+    ), corrections as (
+      -- What each project's calls' tokens were corrected by, per lane, as the allowance is.
+      select lane_id, project_id, sum(unestimated_tokens) as unestimated_tokens
+      from outcomes
+      join finished using (id)
+      where unestimated_tokens <> 0
+      group by lane_id, project_id
     ), shares_corrected as (
-      -- A project's place in its lane's fair share moves by what its calls' tokens were corrected
-      -- by, as the allowance does, never behind the lane's clock (lanes_now: as it is now): a
-      -- refused prompt costs its project no place. A project without a row, level with the clock,
-      -- stays there, as an idle one does.
+      -- A project's place in its lane's fair share moves by as much, never behind the lane's
+      -- clock (lanes_now: as it is now): a refused prompt costs its project no place.
       update gateway.lane_fair_shares as shares
       set next_start = greatest(lanes.fair_share_clock, shares.next_start + corrections.unestimated_tokens)
-      from (
-        select lane_id, project_id, sum(unestimated_tokens) as unestimated_tokens
-        from outcomes
-        join finished using (id)
-        where unestimated_tokens <> 0
-        group by lane_id, project_id
-      ) as corrections
+      from corrections
       join lanes_now as lanes on lanes.id = corrections.lane_id
       where shares.lane_id = corrections.lane_id and shares.project_id = corrections.project_id
+      returning shares.lane_id, shares.project_id
+    ), shares_started as (
+      -- A project without a row is level with the clock (the clock passed it, perhaps in the claim
+      -- that started this very call): tokens used beyond the estimate put it that far ahead, and a
+      -- refund leaves it level, as an idle project is. (A row a claim wrote after this statement's
+      -- snapshot is not corrected: one call's correction, at most.)
+      insert into gateway.lane_fair_shares (lane_id, project_id, next_start, started_at)
+      select corrections.lane_id, corrections.project_id, lanes.fair_share_clock + corrections.unestimated_tokens, now()
+      from corrections
+      join lanes_now as lanes on lanes.id = corrections.lane_id
+      where corrections.unestimated_tokens > 0
+        and not exists (
+          select from shares_corrected
+          where shares_corrected.lane_id = corrections.lane_id and shares_corrected.project_id = corrections.project_id)
+      on conflict (lane_id, project_id) do nothing
     ), queues_now as (
       -- The queues of the lanes given tokens back, read as they are now (locked to share), not as
       -- the statement's snapshot saw them: a claim that found such a lane without room, and held

@@ -250,6 +250,27 @@ t.test('a project\'s place follows the tokens its calls used: usage below the es
   t.same(await usedBy(await lane(t), 400, 2_400), [0, 10], 'a call that used 2,400 tokens, not 400: the other project\'s ten go first');
 });
 
+t.test('a call whose project the clock passed while it ran (its row forgotten) still moves it on by what it used above its estimate', async (t) => {
+  const fair = await lane(t);
+  await fair.plant('large', 1, 400);
+  await fair.plant('small', 20, SMALL);
+  // One claim starts the large request (0 to 400) and ten small ones (0 to 500): the clock passes
+  // the large project's next start, and the lane forgets it (level with the clock).
+  const first = await fair.claim(FULL);
+  t.same(await fair.startedBy(ids(first)), { large: { requests: 1, tokens: 400 }, small: { requests: 10, tokens: 500 }, other: { requests: 0, tokens: 0 } });
+  t.same(await fair.remembered(), ['small'], 'the large project is level with the clock');
+  const [large] = first.started.filter((started) => started.id.startsWith('req_large'));
+  await finishAttempts(
+    fair.db,
+    [{ kind: 'completed', id: large!.id, attempt: 1, laneId: fair.laneId, result: '{}', usage: { prompt: 390, completion: 2_010, total: 2_400 }, upstreamStatus: 200, durationMs: 1 }],
+    { maxAttempts: 5, health: LANE_HEALTH },
+  );
+  t.same(await fair.remembered(), ['large', 'small'], 'its 2,000 tokens over the estimate put it ahead of the clock again');
+  await fair.plant('large', 10, SMALL);
+  const { large: next, small } = await fair.startedBy(ids(await fair.claim(500)));
+  t.same([next.requests, small.requests], [0, 10], 'the other project\'s ten go first');
+});
+
 t.test('the lane remembers only projects ahead of its clock, and forgets one idle for a minute', async (t) => {
   const fair = await lane(t);
   await fair.plant('large', 10, LARGE);
