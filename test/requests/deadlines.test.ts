@@ -28,7 +28,12 @@ t.test('a request\'s deadline is its acceptance plus its key\'s deadline, or REQ
   t.equal(await deadlineAfterAcceptance(serverDeadline), 2 * 3_600_000, 'REQUEST_DEADLINE: 2 hours');
 });
 
-/** Settings under which only the deadline can end a call: the upstream timeout and the wait are longer. */
+/**
+ * Settings under which only the deadline can end a call within a test's wait of 10 s: the
+ * upstream timeout and the wait are longer. A request failed with deadline_exceeded is failed by
+ * the expiry (the one statement that writes that code), which every worker runs about once a
+ * second: failed within that wait is the expiry on time, whatever the machine's speed.
+ */
 const LONGER_THAN_DEADLINES = { UPSTREAM_TIMEOUT_MS: '30000', WAIT_TIMEOUT_MS: '15000' };
 
 /** How long after its deadline the request ended, by the database's clock. */
@@ -58,15 +63,14 @@ t.test('a running call whose deadline passes: aborted, its request failed with d
   const row = await waitForRow(gateway.db, id, isTerminal, 10_000);
   t.match(row, { status: 'failed', last_error_code: 'deadline_exceeded', attempts: 1, result: null });
   const late = await lateness(gateway, id);
-  t.ok(late >= 0 && late < 5_000, `failed ${late} ms after its deadline`);
+  t.ok(late >= 0, `not before its deadline: failed ${late} ms after it`);
   t.match(await attemptRows(gateway.db, id), [
     { attempt_number: 1, outcome: 'failed', error_code: 'deadline_exceeded', error_detail: 'the request\'s deadline passed during the call' },
   ]);
 
+  // The upstream holds the connection until the worker's 30 s timeout: closed within the wait is the call aborted.
   const call = upstream.calls[0]!;
   await until(() => call.endedAt !== undefined, 'the upstream connection to close', 3_000);
-  const sinceEnd = call.endedAt! - row.finished_at!.getTime();
-  t.ok(sinceEnd < 2_000, `the upstream saw its connection closed ${sinceEnd} ms after the request failed`);
 
   const lookup = await clientFor(gateway.url, key).get(id);
   t.match(lookup.body, { id, status: 'failed', attempts: 1, last_error_code: 'deadline_exceeded' });
@@ -99,7 +103,8 @@ t.test('a request waiting for a paused lane fails on time too, never having been
   const row = await waitForRow(gateway.db, id, isTerminal, 10_000);
   t.match(row, { status: 'failed', last_error_code: 'deadline_exceeded', attempts: 0, next_attempt_at: null });
   const late = await lateness(gateway, id);
-  t.ok(late >= 0 && late < 5_000, `failed ${late} ms after its deadline`);
+  t.ok(late >= 0, `not before its deadline: failed ${late} ms after it`);
+  t.ok(gateway.logs.some((line) => line.includes('"expired":1') && line.includes('their deadline passed')), 'by the expiry');
   t.same(await attemptRows(gateway.db, id), [], 'no attempt');
   t.equal(upstream.calls.length, 0, 'the upstream never called');
 });
