@@ -33,9 +33,7 @@ t.test('Ctrl-C on gateway start with the embedded Postgres: the call in flight i
   let output = '';
   gateway.stdout.on('data', (chunk: Buffer) => (output += chunk.toString()));
   gateway.stderr.on('data', (chunk: Buffer) => (output += chunk.toString()));
-  const exited = new Promise<{ code: number | null; at: number }>((resolve) =>
-    gateway.on('exit', (code) => resolve({ code, at: Date.now() })),
-  );
+  const exited = new Promise<number | null>((resolve) => gateway.on('exit', (code) => resolve(code)));
   t.teardown(async () => {
     if (gateway.exitCode === null && gateway.signalCode === null) process.kill(-gateway.pid!, 'SIGKILL');
     // An embedded Postgres left behind is stopped by the command run below (it stops one it started).
@@ -58,13 +56,16 @@ t.test('Ctrl-C on gateway start with the embedded Postgres: the call in flight i
     await new Promise((resolve) => setTimeout(resolve, 50));
   }
   t.equal(status, 'processing', 'the call is in flight');
+  const postgresPid = Number((await readFile(path.join(dataDir, 'postgres', 'postmaster.pid'), 'utf8')).split('\n')[0]);
 
-  const interrupted = Date.now();
   process.kill(-gateway.pid!, 'SIGINT');
-  const exit = await exited;
-  t.equal(exit.code, 0, 'exits 0');
+  // It exits at all (a Postgres that waited for its clients, or a gateway that waited for
+  // something other than its call, would hold it: the test's own wait ends that), exits 0, and
+  // leaves no Postgres behind.
+  const code = await Promise.race([exited, new Promise<'still running'>((resolve) => setTimeout(() => resolve('still running'), 60_000).unref())]);
+  t.equal(code, 0, 'exits 0', { output });
   t.match(output, '"msg":"shut down cleanly"');
-  t.ok(exit.at - interrupted < 8_000, `exits within 8 s of the signal (${exit.at - interrupted} ms)`, { output });
+  t.notOk(isRunning(postgresPid), `the embedded Postgres (pid ${postgresPid}) has stopped by the time the gateway has exited`, { output });
 
   const shown = await runCliProcess(['requests', 'show', id, '--json'], env);
   t.equal(shown.code, 0, shown.stderr);
