@@ -5,7 +5,7 @@ import { TERMINAL_STATUSES, type RequestStatus } from '../db/database.ts';
 import { isDatabaseUnavailable, type Db } from '../db/pool.ts';
 import { abortAfter } from '../grace.ts';
 import { ApiError, idempotencyKeyReused, requestAlreadyFinished, requestNotFound } from '../errors.ts';
-import { newRequestId, REQUEST_ID } from '../ids.ts';
+import { newRequestId, REQUEST_ID, type KeyMode } from '../ids.ts';
 import { deleteNonce, insertNonce, type Nonce } from '../keys/repository.ts';
 import type { Batcher } from '../db/batcher.ts';
 import type { Auth } from '../keys/auth.ts';
@@ -149,13 +149,27 @@ async function replayOfRefused(
   refusal: unknown,
 ): Promise<Stored> {
   if (submission.idempotencyKey === undefined || !(refusal instanceof ApiError) || refusal.status !== 400) throw refusal;
-  const scope = { project_id: auth.projectId, mode: auth.mode };
-  const existing = await findAnswerByIdempotencyKey(deps.db, scope, submission.idempotencyKey);
+  const held = await heldByKey(deps, { project_id: auth.projectId, mode: auth.mode }, submission, nonce);
   // The same key with another body is refused for its model, which is checked first (docs/api.md).
-  if (!existing || !existing.body_sha256.equals(submission.bodySha256)) throw refusal;
-  // A replay uses its nonce up, as a new request does.
+  if ('replay' in held) return held.replay;
+  throw refusal;
+}
+
+/**
+ * What the submission's idempotency key holds in its project and mode: the request it replays
+ * (the same body), its nonce (if given) used up as a new request's is; or whether another
+ * request holds the key (`taken`: a body of its own).
+ */
+async function heldByKey(
+  deps: RequestDeps,
+  scope: { project_id: string; mode: KeyMode },
+  submission: Submission,
+  nonce: Nonce | undefined,
+): Promise<{ replay: Stored } | { taken: boolean }> {
+  const existing = await findAnswerByIdempotencyKey(deps.db, scope, submission.idempotencyKey!);
+  if (!existing || !existing.body_sha256.equals(submission.bodySha256)) return { taken: existing !== undefined };
   if (nonce && !(await insertNonce(deps.db, nonce))) throw replayedRequest();
-  return { answer: existing, replayed: true };
+  return { replay: { answer: existing, replayed: true } };
 }
 
 async function store(
@@ -199,16 +213,12 @@ async function store(
     if (!inserted.rolledBack) unstored = undefined;
 
     // The key is taken: by the time the insert gave way, the request holding it was committed.
-    const existing = await findAnswerByIdempotencyKey(deps.db, request, request.idempotency_key!);
-    if (existing && existing.body_sha256.equals(submission.bodySha256)) {
-      // A replay uses its nonce up, as a new request does.
-      if (unstored && !(await insertNonce(deps.db, unstored))) throw replayedRequest();
-      return { answer: existing, replayed: true };
-    }
-    if (existing || tries >= 2) {
+    const held = await heldByKey(deps, request, submission, unstored);
+    if ('replay' in held) return held.replay;
+    if (held.taken || tries >= 2) {
       // A refused request stores nothing: not even its nonce.
       if (nonce && !unstored) await deleteNonce(deps.db, nonce);
-      if (existing) throw idempotencyKeyReused();
+      if (held.taken) throw idempotencyKeyReused();
       throw new Error('the request holding this idempotency key kept disappearing');
     }
   }
