@@ -3,7 +3,7 @@
 // provider refused the prompt) gives its estimate back, so the lane does not stay shut for the
 // other requests, whether accepted after it, waiting already, or being claimed as it is given back,
 // nor does its project's place in the lane's fair share keep it.
-import t from 'tap';
+import t, { type Test } from 'tap';
 import { startTestGateway } from '../helpers/gateway.ts';
 import { clientFor } from '../helpers/http.ts';
 import { countRows, isTerminal, waitForRow, waitingOnLock } from '../helpers/rows.ts';
@@ -13,6 +13,31 @@ import { until } from '../helpers/wait.ts';
 
 /** A prompt of about `tokens` tokens. */
 const prompt = (tokens: number) => [{ role: 'user', content: 'word '.repeat(tokens) }];
+
+/**
+ * A provider that answers a small prompt at once and refuses a large one (a body over 5,000
+ * characters) with a 400 and no usage, once `refusing` resolves when it is given; and an
+ * upstreams file serving gpt-limited from it at 3,000 tokens a minute, which a 2,000-token
+ * prompt overdraws by some 40 s worth.
+ */
+async function refusingLargePrompts(t: Test, refusing?: Promise<void>) {
+  const upstream = await startFakeUpstream(t, async (call) => {
+    if (JSON.stringify(call.body).length <= 5_000) return { status: 200, json: completionFor(call.body) };
+    await refusing;
+    return { status: 400, json: { error: { message: 'too long' } } };
+  });
+  const file = await upstreamsFile(t, [
+    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 3000 } },
+  ]);
+  return { upstream, file };
+}
+
+/** A promise, and the function that resolves it. */
+function gate(): { opened: Promise<void>; open: () => void } {
+  let open!: () => void;
+  const opened = new Promise<void>((resolve) => (open = resolve));
+  return { opened, open };
+}
 
 t.test('a prompt larger than a minute of every deployment\'s tokens is a 400 naming messages, and nothing is stored', async (t) => {
   const upstream = await startFakeUpstream(t);
@@ -43,13 +68,7 @@ t.test('a prompt larger than a minute of every deployment\'s tokens is a 400 nam
 });
 
 t.test('a prompt the provider refuses (no usage) gives its estimate back: the next request starts at once', async (t) => {
-  const upstream = await startFakeUpstream(t, (call) =>
-    JSON.stringify(call.body).length > 5_000 ? { status: 400, json: { error: { message: 'too long' } } } : { status: 200, json: completionFor(call.body) },
-  );
-  // 3,000 tokens a minute: a 2,000-token prompt overdraws the lane by some 40 s worth.
-  const file = await upstreamsFile(t, [
-    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 3000 } },
-  ]);
+  const { file } = await refusingLargePrompts(t);
   const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file } });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
 
@@ -66,17 +85,8 @@ t.test('a prompt the provider refuses (no usage) gives its estimate back: the ne
 });
 
 t.test('requests waiting on a lane overdrawn by a prompt the provider then refuses start once it gives its estimate back, not when the overdraw would have been paid', async (t) => {
-  let refuse!: () => void;
-  const refused = new Promise<void>((resolve) => (refuse = resolve));
-  const upstream = await startFakeUpstream(t, async (call) => {
-    if (JSON.stringify(call.body).length <= 5_000) return { status: 200, json: completionFor(call.body) };
-    await refused;
-    return { status: 400, json: { error: { message: 'too long' } } };
-  });
-  // 3,000 tokens a minute: a 2,000-token prompt overdraws the lane by some 40 s worth.
-  const file = await upstreamsFile(t, [
-    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 3000 } },
-  ]);
+  const { opened: refused, open: refuse } = gate();
+  const { upstream, file } = await refusingLargePrompts(t, refused);
   const gateway = await startTestGateway(t, { env: { UPSTREAMS_FILE: file, UPSTREAM_TIMEOUT_MS: '60000' } });
   const client = clientFor(gateway.url, await gateway.createKey({ mode: 'live' }));
 
@@ -102,16 +112,8 @@ t.test('requests waiting on a lane overdrawn by a prompt the provider then refus
 });
 
 t.test('a refund recorded while a claim that found the lane overdrawn commits still dispatches the request that claim left waiting', async (t) => {
-  let refuse!: () => void;
-  const refused = new Promise<void>((resolve) => (refuse = resolve));
-  const upstream = await startFakeUpstream(t, async (call) => {
-    if (JSON.stringify(call.body).length <= 5_000) return { status: 200, json: completionFor(call.body) };
-    await refused;
-    return { status: 400, json: { error: { message: 'too long' } } };
-  });
-  const file = await upstreamsFile(t, [
-    { name: 'limited', base_url: upstream.baseUrl, models: ['gpt-limited'], limits: { tokens_per_minute: 3000 } },
-  ]);
+  const { opened: refused, open: refuse } = gate();
+  const { upstream, file } = await refusingLargePrompts(t, refused);
   // The API and the worker apart: an accepted request is dispatched by its job, due at once, and
   // by nothing else (no fallback of the accepting process). WORKER_DEAD_AFTER_MS keeps the
   // rescue of stranded queues out of the way.
@@ -153,8 +155,7 @@ t.test('a refund recorded while a claim that found the lane overdrawn commits st
 });
 
 t.test('a project whose prompt the provider refused is placed in the lane\'s fair share as having used none of its tokens', async (t) => {
-  let releaseBusy!: () => void;
-  const busy = new Promise<void>((resolve) => (releaseBusy = resolve));
+  const { opened: busy, open: releaseBusy } = gate();
   // P's 2,000-token prompt is refused at once; Q's 1,000-token one is held, its call in flight,
   // until the small requests have started; the small ones are answered at once.
   const upstream = await startFakeUpstream(t, async (call) => {
