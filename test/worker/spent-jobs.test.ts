@@ -56,7 +56,7 @@ t.test('a job that used up its attempts is deleted, logged and counted, and its 
   await until(async () => (await messagesOf(api.db, requestId))[0]!.status === 'delivered', 'the message to be recorded delivered', 10_000);
 });
 
-t.test('a periodic task\'s run is tried 3 times at most: one that keeps failing is used up within seconds, its work left to the next period', async (t) => {
+t.test('the crontab gives each periodic task\'s runs 3 attempts (?max=3), not graphile-worker\'s 25', async (t) => {
   const items = parseCrontab(CRONTAB);
   t.same(items.map((item) => item.task).sort(), ['cleanup_signature_nonces', 'retention'], 'both periodic tasks');
   for (const item of items) t.equal(item.options.maxAttempts, 3, `${item.task}: its jobs' max_attempts`);
