@@ -23,13 +23,12 @@ import {
   deliveryJobs,
   endRequest,
   messagesOf,
-  startReceiver,
   takeDueWebhookJobs,
   testDeliverer,
   triesOf,
   wakeJobs,
 } from '../webhooks/support.ts';
-import { accept, loseJobs, WEBHOOK_TASKS } from './support.ts';
+import { accept, eventForReceiver, loseJobs, WEBHOOK_TASKS } from './support.ts';
 
 t.test('a queue with a request due and nothing to dispatch it is dispatched, and no other', async (t) => {
   const gateway = await startTestGateway(t, { role: 'api' });
@@ -135,11 +134,7 @@ t.test('an endpoint with a message due and nothing to deliver it is woken, and n
 });
 
 t.test('a worker delivers a message whose wake-up was lost', async (t) => {
-  const api = await startTestGateway(t, { role: 'api' });
-  const receiver = await startReceiver(t);
-  const endpoint = await addTestEndpoint(api, { url: receiver.url });
-  receiver.secrets.push(endpoint.secret);
-  const requestId = await endRequest(api, await api.createKey(), 'completed');
+  const { api, receiver, endpoint, requestId } = await eventForReceiver(t);
   await loseJobs(api, WEBHOOK_TASKS);
 
   const worker = await startTestGateway(t, { role: 'worker', databaseUrl: api.databaseUrl, env: { WORKER_DEAD_AFTER_MS: '1000', METRICS_PORT: '0', WEBHOOK_ALLOW_PRIVATE: 'true' } });

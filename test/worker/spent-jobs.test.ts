@@ -8,14 +8,11 @@ import { startTestGateway } from '../helpers/gateway.ts';
 import { send } from '../helpers/http.ts';
 import { parseMetrics } from '../helpers/metrics.ts';
 import { until } from '../helpers/wait.ts';
-import { addTestEndpoint, endRequest, messagesOf, startReceiver } from '../webhooks/support.ts';
+import { messagesOf } from '../webhooks/support.ts';
+import { eventForReceiver } from './support.ts';
 
 t.test('a job that used up its attempts is deleted, logged and counted, and its webhook event is still delivered', async (t) => {
-  const api = await startTestGateway(t, { role: 'api' });
-  const receiver = await startReceiver(t);
-  const endpoint = await addTestEndpoint(api, { url: receiver.url });
-  receiver.secrets.push(endpoint.secret);
-  const requestId = await endRequest(api, await api.createKey(), 'completed');
+  const { api, receiver, endpoint, requestId } = await eventForReceiver(t);
   const [message] = await messagesOf(api.db, requestId);
   // A row the message's claim cannot get past: a try numbered as its next one, already recorded.
   // Every claim of the message fails (a duplicate key), and every job that claims it throws.

@@ -10,8 +10,8 @@ import { dispatchStranded, wakeStrandedEndpoints } from '../../src/worker/rescue
 import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { isTerminal, waitForRow } from '../helpers/rows.ts';
 import { until } from '../helpers/wait.ts';
-import { addTestEndpoint, endRequest, messagesOf, startReceiver, wakeJobs } from '../webhooks/support.ts';
-import { accept, loseJobs, WEBHOOK_TASKS } from './support.ts';
+import { addTestEndpoint, endRequest, messagesOf, wakeJobs } from '../webhooks/support.ts';
+import { accept, eventForReceiver, loseJobs, WEBHOOK_TASKS } from './support.ts';
 
 /** A job's state as graphile-worker reads it. */
 interface JobState {
@@ -121,11 +121,7 @@ t.test('an endpoint whose wake waits out a backoff of failures is woken; one fai
 });
 
 t.test('a worker delivers a message whose endpoint\'s wake waits out a backoff of failures', async (t) => {
-  const api = await startTestGateway(t, { role: 'api' });
-  const receiver = await startReceiver(t);
-  const endpoint = await addTestEndpoint(api, { url: receiver.url });
-  receiver.secrets.push(endpoint.secret);
-  const requestId = await endRequest(api, await api.createKey(), 'completed');
+  const { api, receiver, endpoint, requestId } = await eventForReceiver(t);
   // Its message parked for the endpoint's wake, which then failed 5 times, the last 2 s ago.
   await loseJobs(api, WEBHOOK_TASKS);
   await api.pool.query(`select graphile_worker.add_job('wake_webhook_endpoint', json_build_object('endpoint_id', $1::text, 'deferrals', 0), job_key => 'wake_webhook_endpoint:' || $1)`, [endpoint.id]);

@@ -1,8 +1,11 @@
-// What the tests of the rescues share (rescue.test.ts, stalled-jobs.test.ts): requests accepted
-// with no worker to run them, and the jobs that would serve them lost.
-import type { TestGateway } from '../helpers/gateway.ts';
+// What the tests of the rescues and of jobs share (rescue.test.ts, stalled-jobs.test.ts,
+// spent-jobs.test.ts): requests accepted with no worker to run them, an event for a receiver with
+// no worker to deliver it, and the jobs that would serve them lost.
+import type { Test } from 'tap';
+import { startTestGateway, type TestGateway } from '../helpers/gateway.ts';
 import { clientFor, userMessage } from '../helpers/http.ts';
 import { queueOf } from '../helpers/rows.ts';
+import { addTestEndpoint, endRequest, startReceiver } from '../webhooks/support.ts';
 
 /** The webhook tasks, whose jobs loseJobs forgets for an endpoint's messages to wait with none. */
 export const WEBHOOK_TASKS = ['deliver_webhook', 'wake_webhook_endpoint'];
@@ -21,4 +24,17 @@ export async function loseJobs(gateway: TestGateway, tasks: string[] = ['dispatc
      where task_id in (select id from graphile_worker._private_tasks where identifier = any($1::text[]))`,
     [tasks],
   );
+}
+
+/**
+ * An API process (no worker), a receiver and its endpoint, and a request ended (completed): its
+ * event waits for a worker to deliver it.
+ */
+export async function eventForReceiver(t: Test) {
+  const api = await startTestGateway(t, { role: 'api' });
+  const receiver = await startReceiver(t);
+  const endpoint = await addTestEndpoint(api, { url: receiver.url });
+  receiver.secrets.push(endpoint.secret);
+  const requestId = await endRequest(api, await api.createKey(), 'completed');
+  return { api, receiver, endpoint, requestId };
 }
