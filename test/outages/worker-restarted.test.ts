@@ -45,7 +45,8 @@ t.test('restarted six times while the upstream hangs its call: the request is no
 
   // The call under way now hangs on; the one after the next restart meets the upstream back.
   upstream.replyWith(outageReply({ kind: 'healthy' }));
-  await until(() => attemptRunning(RESTARTS + 1), 'the next attempt to be running', 30_000);
+  // (Its retry waits out the backoff after its sixth attempt, up to 32 s with RETRY_BASE_MS of 1 s.)
+  await until(() => attemptRunning(RESTARTS + 1), 'the next attempt to be running', 60_000);
   await gateway.stop();
   gateway = await startTestGateway(t, { env, databaseUrl });
   t.ok((await waitUntilTerminal(gateway.pool, [id], 30_000)).done, 'it ended');
